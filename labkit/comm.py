@@ -1,0 +1,255 @@
+"""The one place labkit communicates: traced collectives and point-to-point calls.
+
+Every function here calls ``torch.distributed`` and records an :class:`labkit.trace.Event`
+into the running job's tracer with the op, the mesh axis, the peers and the bytes this rank
+moved. Everything else in labkit (data parallelism, ZeRO, hand-built ring and tree
+algorithms) communicates only through this module, so traces and byte counts are complete.
+
+Byte accounting. The counts are *algorithmic*: the bytes each rank sends (and receives)
+when the collective runs as the bandwidth-optimal ring of the lectures and of nccl-tests
+(Patarasuk & Yuan 2009; nccl-tests ``PERFORMANCE.md``). For a tensor of ``S`` bytes over
+``N`` ranks:
+
+=================  ===========================================
+all-reduce         2(N−1)/N · S  sent, the same received
+reduce-scatter     (N−1)/N · S   (S = the full, unscattered input)
+all-gather         (N−1)/N · S   (S = the full, gathered output)
+all-to-all         (N−1)/N · S   (S = this rank's input)
+broadcast          S per hop: the root sends S, every other rank receives S
+reduce             S per hop: every non-root sends S, the root receives S
+send / recv        S
+=================  ===========================================
+
+gloo implements some collectives internally with other algorithms (for example
+all-reduce of large tensors without a ring, pytorch/pytorch#149869), so its wire bytes and
+timing are not always the ring's. Counting the algorithm's bytes keeps the numbers
+comparable to the lectures' formulas on every backend.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .trace import COMM, P2P, Event, current_tracer
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
+           "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+           "barrier", "Handle", "group_size", "group_ranks", "nbytes"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements."""
+    return t.numel() * t.element_size()
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_ranks(group=None) -> tuple:
+    """Global ranks of ``group`` in group-rank order."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _reduce_op(op: str):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_OPS)}") from None
+
+
+class Handle:
+    """An in-flight async op. ``wait()`` completes it and closes its trace event.
+
+    The recorded span runs from issue to the return of ``wait()``: on gloo the work
+    progresses on a background thread in between, which is the overlap a timeline shows.
+    """
+
+    def __init__(self, work, event: Optional[Event], finish=None):
+        self._work, self._event, self._finish, self._done = work, event, finish, False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+        tracer = current_tracer()
+        if self._event is not None and tracer is not None:
+            self._event.end = tracer.now()
+            tracer.record(self._event)
+
+
+def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish=None, **args):
+    tracer = current_tracer()
+    event = None
+    if tracer is not None:
+        event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
+                      bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
+                      peers=tuple(peers), args=args)
+    work = call(async_op)
+    handle = Handle(work, event, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, axis: Optional[str] = None,
+               async_op: bool = False) -> Optional[Handle]:
+    """In-place all-reduce of ``tensor`` (any shape) over ``group``.
+
+    ``op="avg"`` is computed as a sum followed by a division by N, because gloo has no
+    native average. Bytes: 2(N−1)/N · S each way.
+    """
+    n, s = group_size(group), nbytes(tensor)
+    rop = _reduce_op(op)
+    finish = (lambda: tensor.div_(n)) if op == "avg" else None
+    return _run("all_reduce", COMM, lambda a: dist.all_reduce(tensor, rop, group, a),
+                group=group, axis=axis, sent=2 * (n - 1) * s / n, recv=2 * (n - 1) * s / n,
+                peers=group_ranks(group), async_op=async_op, finish=finish, numel=tensor.numel(),
+                reduce=op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
+                   axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+    """Reduce ``input`` (N·k elements, dim 0 split in N equal chunks) and leave chunk ``r``
+    on group rank ``r`` in ``output`` (k elements). Bytes: (N−1)/N · |input|.
+
+    Raises:
+        ValueError: if ``input`` does not split evenly; pad it to a multiple of N first.
+    """
+    n, s = group_size(group), nbytes(input)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, which is not "
+                         f"N={n} x output ({output.numel()}); pad the input to a multiple of "
+                         f"{n} elements")
+    rop = _reduce_op(op)
+    finish = (lambda: output.div_(n)) if op == "avg" else None
+    return _run("reduce_scatter", COMM,
+                lambda a: dist.reduce_scatter_tensor(output, input, rop, group, a),
+                group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
+                peers=group_ranks(group), async_op=async_op, finish=finish,
+                numel=input.numel(), reduce=op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
+               axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+    """Concatenate every rank's ``input`` (k elements) into ``output`` (N·k), rank order.
+    Bytes: (N−1)/N · |output|."""
+    n, s = group_size(group), nbytes(output)
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"N={n} x input ({input.numel()})")
+    return _run("all_gather", COMM,
+                lambda a: dist.all_gather_into_tensor(output, input, group, a),
+                group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
+                peers=group_ranks(group), async_op=async_op, numel=output.numel())
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
+               axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+    """Chunk ``j`` of ``input`` (dim 0 split in N) goes to group rank ``j``; chunk ``i`` of
+    ``output`` comes from group rank ``i`` — a distributed transpose. Bytes: (N−1)/N · S."""
+    n, s = group_size(group), nbytes(input)
+    if input.shape[0] % n:
+        raise ValueError(f"all_to_all: dim 0 of input ({input.shape[0]}) does not divide by "
+                         f"N={n}; pad it to a multiple of {n}")
+    return _run("all_to_all", COMM,
+                lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
+                group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
+                peers=group_ranks(group), async_op=async_op, numel=input.numel())
+
+
+def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                    group=None, axis: Optional[str] = None) -> None:
+    """List form: ``inputs[j]`` goes to group rank ``j``, ``outputs[i]`` comes from rank ``i``.
+    Bytes: everything but this rank's own piece, each way."""
+    me = dist.get_rank(group)
+    sent = sum(nbytes(t) for j, t in enumerate(inputs) if j != me)
+    recv = sum(nbytes(t) for i, t in enumerate(outputs) if i != me)
+    _run("all_to_all", COMM, lambda a: dist.all_to_all(list(outputs), list(inputs), group, a),
+         group=group, axis=axis, sent=sent, recv=recv, peers=group_ranks(group),
+         async_op=False, form="list")
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None) -> None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``. Bytes: S per hop."""
+    s, me = nbytes(tensor), dist.get_rank()
+    _run("broadcast", COMM, lambda a: dist.broadcast(tensor, src, group, a), group=group,
+         axis=axis, sent=s if me == src else 0, recv=0 if me == src else s,
+         peers=group_ranks(group), async_op=False, root=src)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None,
+           axis: Optional[str] = None) -> None:
+    """Reduce into ``tensor`` on global rank ``dst`` only; other ranks' buffers are left
+    unspecified afterwards (do not read them). Bytes: S per hop."""
+    s, me, n = nbytes(tensor), dist.get_rank(), group_size(group)
+    finish = (lambda: tensor.div_(n)) if op == "avg" and me == dst else None
+    _run("reduce", COMM, lambda a: dist.reduce(tensor, dst, _reduce_op(op), group, a),
+         group=group, axis=axis, sent=0 if me == dst else s, recv=s if me == dst else 0,
+         peers=group_ranks(group), async_op=False, finish=finish, root=dst, reduce=op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,
+         tag: int = 0) -> None:
+    """Blocking send of ``tensor`` to global rank ``dst``."""
+    _run("send", P2P, lambda a: dist.send(tensor, dst, group, tag), group=group, axis=axis,
+         sent=nbytes(tensor), recv=0, peers=(dst,), async_op=False)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None,
+         tag: int = 0) -> None:
+    """Blocking receive into ``tensor`` from global rank ``src``."""
+    _run("recv", P2P, lambda a: dist.recv(tensor, src, group, tag), group=group, axis=axis,
+         sent=0, recv=nbytes(tensor), peers=(src,), async_op=False)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,
+          tag: int = 0) -> Handle:
+    """Non-blocking send; call ``wait()`` on the handle."""
+    return _run("send", P2P, lambda a: dist.isend(tensor, dst, group, tag), group=group,
+                axis=axis, sent=nbytes(tensor), recv=0, peers=(dst,), async_op=True)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None,
+          tag: int = 0) -> Handle:
+    """Non-blocking receive; call ``wait()`` on the handle."""
+    return _run("recv", P2P, lambda a: dist.irecv(tensor, src, group, tag), group=group,
+                axis=axis, sent=0, recv=nbytes(tensor), peers=(src,), async_op=True)
+
+
+def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None,
+                      axis: Optional[str] = None) -> list[Handle]:
+    """Post ``sends`` [(tensor, dst)] and ``recvs`` [(tensor, src)] together, so a ring step
+    where every rank sends and receives cannot deadlock. Returns one handle per op."""
+    ops = ([dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+           + [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs])
+    works = dist.batch_isend_irecv(ops) if ops else []
+    tracer = current_tracer()
+    handles = []
+    for (kind, t, peer), work in zip([("send", t, p) for t, p in sends]
+                                     + [("recv", t, p) for t, p in recvs], works):
+        ev = None
+        if tracer is not None:
+            ev = Event(tracer.rank, kind, P2P, tracer.now(), 0.0, op=kind,
+                       bytes_sent=float(nbytes(t)) if kind == "send" else 0.0,
+                       bytes_recv=float(nbytes(t)) if kind == "recv" else 0.0,
+                       axis=axis, peers=(peer,))
+        handles.append(Handle(work, ev))
+    return handles
+
+
+def barrier(group=None) -> None:
+    """Block until every rank of ``group`` arrives (not traced: it moves no payload)."""
+    dist.barrier(group)

@@ -1,0 +1,233 @@
+"""Per-rank event recording and the merged, cross-rank ``Trace``.
+
+Every rank records two kinds of events on one clock:
+
+* compute regions (``forward``, ``backward``, ``optimizer``, per layer or stage), and
+* every communication call made through :mod:`labkit.comm`, with the collective's name,
+  algorithmic bytes sent and received, the mesh axis and the peers.
+
+The clock is ``time.perf_counter()``: on Linux it reads ``CLOCK_MONOTONIC``, which all
+processes of one machine share, so events of a local cluster line up without correction.
+Under ``torchrun`` across nodes each rank passes an offset measured at a barrier (see
+:func:`labkit.worker.clock_offset`). On CUDA a region synchronizes the device at both ends,
+so its span covers the kernels it launched, not just their launch.
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator, Optional
+
+__all__ = ["Event", "Tracer", "Trace", "current_tracer", "use_tracer", "region"]
+
+COMPUTE, COMM, P2P = "compute", "comm", "p2p"
+
+
+@dataclass
+class Event:
+    """One span on one rank.
+
+    Attributes:
+        rank: the global rank that recorded it.
+        name: what ran, e.g. ``"forward"``, ``"layers.1.backward"``, ``"all_reduce"``.
+        cat: ``"compute"``, ``"comm"`` (collective) or ``"p2p"`` (send/recv).
+        start, end: seconds on the shared clock.
+        step: training step the event belongs to (-1 outside a step).
+        op: collective or point-to-point op (``"all_reduce"``, ``"send"`` …).
+        bytes_sent, bytes_recv: algorithmic bytes this rank moved (ring formulas; see
+            :mod:`labkit.comm` for why these are not gloo's wire bytes).
+        axis: mesh axis of the group (``"dp"``, ``"tp"`` …) or ``None``.
+        peers: global ranks of the group (collectives) or the other end (p2p).
+        args: anything else worth showing (bucket id, dtype, numel, async …).
+    """
+
+    rank: int
+    name: str
+    cat: str
+    start: float
+    end: float
+    step: int = -1
+    op: Optional[str] = None
+    bytes_sent: float = 0.0
+    bytes_recv: float = 0.0
+    axis: Optional[str] = None
+    peers: tuple = ()
+    args: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        """Seconds."""
+        return self.end - self.start
+
+
+class Tracer:
+    """Collects the events of one rank. Cheap enough to stay on for every run.
+
+    Args:
+        rank: global rank stamped on each event.
+        device: when CUDA, regions synchronize it so spans cover kernel time.
+        offset: seconds added to every timestamp (cross-node clock alignment).
+        enabled: when False, ``region`` and ``record`` do nothing.
+    """
+
+    def __init__(self, rank: int = 0, device=None, offset: float = 0.0, enabled: bool = True):
+        self.rank = rank
+        self.offset = offset
+        self.enabled = enabled
+        self.step = -1
+        self.events: list[Event] = []
+        self._sync = _cuda_sync(device)
+
+    def now(self) -> float:
+        return time.perf_counter() + self.offset
+
+    @contextmanager
+    def region(self, name: str, cat: str = COMPUTE, **args) -> Iterator[None]:
+        """Record a compute span around the ``with`` body."""
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.events.append(Event(self.rank, name, cat, t0, self.now(), self.step, args=args))
+
+    def record(self, event: Event) -> None:
+        if self.enabled:
+            event.step = self.step if event.step == -1 else event.step
+            self.events.append(event)
+
+
+def _cuda_sync(device):
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+_current: contextvars.ContextVar[Optional[Tracer]] = contextvars.ContextVar(
+    "labkit_tracer", default=None)
+
+
+def current_tracer() -> Optional[Tracer]:
+    """The tracer of the job running in this process, or ``None`` outside a job."""
+    return _current.get()
+
+
+@contextmanager
+def use_tracer(tracer: Optional[Tracer]) -> Iterator[Optional[Tracer]]:
+    """Make ``tracer`` the one :mod:`labkit.comm` and :func:`region` record into."""
+    token = _current.set(tracer)
+    try:
+        yield tracer
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def region(name: str, cat: str = COMPUTE, **args) -> Iterator[None]:
+    """``current_tracer().region(...)``, or nothing when no tracer is active."""
+    tracer = _current.get()
+    if tracer is None:
+        yield
+    else:
+        with tracer.region(name, cat, **args):
+            yield
+
+
+class Trace:
+    """The events of all ranks of one run, merged and sorted by start time.
+
+    Times are kept on the shared clock; ``t0`` is the earliest start, and exports shift to
+    it so a timeline starts at zero.
+    """
+
+    def __init__(self, events: Iterable[Event] = ()):
+        self.events: list[Event] = sorted(events, key=lambda e: (e.start, e.rank))
+        self.t0 = self.events[0].start if self.events else 0.0
+
+    @classmethod
+    def merge(cls, per_rank: Iterable[Iterable[Event]]) -> "Trace":
+        return cls(e for events in per_rank for e in events)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    def filter(self, rank=None, cat=None, op=None, step=None, name=None) -> list[Event]:
+        """Events matching every argument that is not ``None``."""
+        return [e for e in self.events
+                if (rank is None or e.rank == rank) and (cat is None or e.cat == cat)
+                and (op is None or e.op == op) and (step is None or e.step == step)
+                and (name is None or e.name == name)]
+
+    def comm_bytes(self, rank: int, op=None, step=None, direction: str = "sent") -> float:
+        """Bytes ``rank`` sent (or received) through labkit.comm, optionally per op/step."""
+        key = "bytes_sent" if direction == "sent" else "bytes_recv"
+        return sum(getattr(e, key) for e in self.events
+                   if e.rank == rank and e.cat in (COMM, P2P)
+                   and (op is None or e.op == op) and (step is None or e.step == step))
+
+    def busy_time(self, rank: int, cat: str = COMPUTE, step=None) -> float:
+        """Seconds of ``cat`` spans on ``rank``, overlaps merged (nested regions count once)."""
+        spans = sorted((e.start, e.end) for e in self.filter(rank=rank, cat=cat, step=step))
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+    def to_dicts(self) -> list[dict]:
+        return [asdict(e) for e in self.events]
+
+    def to_chrome(self, path: Optional[str] = None) -> dict:
+        """Chrome trace-event JSON (Perfetto, chrome://tracing): one track per rank.
+
+        Compute and communication go on separate threads of the rank's track so overlap
+        (e.g. a bucket all-reduce under backward) is visible. Times are microseconds.
+
+        Returns the JSON object; writes it to ``path`` when given.
+        """
+        out = []
+        for r in self.ranks:
+            out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                        "args": {"name": f"rank {r}"}})
+            for tid, label in ((0, "compute"), (1, "communication")):
+                out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                            "args": {"name": label}})
+        for e in self.events:
+            args = {"step": e.step, **{k: _jsonable(v) for k, v in e.args.items()}}
+            if e.op:
+                args.update(op=e.op, bytes_sent=e.bytes_sent, bytes_recv=e.bytes_recv,
+                            axis=e.axis, peers=list(e.peers))
+            out.append({"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
+                        "tid": 0 if e.cat == COMPUTE else 1,
+                        "ts": (e.start - self.t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6,
+                        "args": args})
+        doc = {"traceEvents": out, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        span = (max(e.end for e in self.events) - self.t0) if self.events else 0.0
+        return f"Trace({len(self.events)} events, ranks={self.ranks}, span={span:.3f} s)"
+
+
+def _jsonable(v):
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)

@@ -1,0 +1,153 @@
+"""The rank process: join the process group once, then run jobs until told to stop.
+
+A rank is a fresh interpreter started with the *spawn* method. It
+
+1. watches its parent and exits if the parent dies (a killed Jupyter kernel leaves no
+   orphans),
+2. calls ``init_process_group`` once, over a ``FileStore`` in a private temp folder, so no
+   rendezvous port is opened at all; gloo's own pair sockets bind to the loopback
+   interface (``GLOO_SOCKET_IFNAME=lo``),
+3. answers ``("run", …)`` messages on its pipe by importing the job by module and name,
+   calling ``job(ctx, config)`` under a fresh :class:`~labkit.trace.Tracer`, and sending
+   back the plain-data result, the events, or the traceback.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["RankContext", "worker_main", "resolve_job", "context_from_env"]
+
+
+@dataclass
+class RankContext:
+    """What a job sees on its rank.
+
+    Attributes:
+        rank: this rank within the job (0 … world_size−1).
+        world_size: ranks the job runs on (may be fewer than the cluster's).
+        device: ``torch.device`` every tensor of the job is created on.
+        group: process group spanning the job's ranks (pass it explicitly to labkit.comm).
+        backend: ``"gloo"`` or ``"nccl"``.
+        tracer: this rank's :class:`~labkit.trace.Tracer`.
+        cache: per-process dict that survives between jobs on a warm cluster (process
+            groups, calibrations); never results.
+    """
+
+    rank: int
+    world_size: int
+    device: Any
+    group: Any
+    backend: str
+    tracer: Any
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def is_cuda(self) -> bool:
+        return getattr(self.device, "type", "cpu") == "cuda"
+
+
+def resolve_job(module: str, qualname: str):
+    """Import ``module`` and walk ``qualname`` to the job function."""
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)  # parent gone (kernel killed): never linger as an orphan
+        time.sleep(0.5)
+
+
+def worker_main(rank: int, world_size: int, store_path: str, backend: str, device_type: str,
+                threads: int, conn, parent_pid: int, sys_path: list) -> None:
+    """Entry point of one rank process (the spawn target)."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from .trace import Tracer, use_tracer
+
+    torch.set_num_threads(threads)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                **({"device_id": device} if device_type == "cuda" else {}))
+    except BaseException:
+        conn.send(("error", None, rank, traceback.format_exc()))
+        return
+    conn.send(("ready", None, rank, {"pid": os.getpid(), "device": str(device),
+                                     "threads": torch.get_num_threads()}))
+    groups: dict[int, Any] = {world_size: dist.group.WORLD}
+    cache: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # the parent closed the pipe
+        kind, job_id = msg[0], msg[1]
+        if kind == "close":
+            break
+        module, qualname, config, nranks = msg[2:]
+        try:
+            if nranks not in groups:  # every rank takes part in creating a sub-group
+                groups[nranks] = dist.new_group(list(range(nranks)))
+            if rank >= nranks:
+                conn.send(("idle", job_id, rank, None))
+                continue
+            job = resolve_job(module, qualname)
+            tracer = Tracer(rank, device)
+            ctx = RankContext(rank, nranks, device, groups[nranks], backend, tracer, cache)
+            with use_tracer(tracer):
+                out = job(ctx, config)
+            conn.send(("result", job_id, rank, {"output": out, "events": tracer.events}))
+        except BaseException:
+            conn.send(("error", job_id, rank, traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def context_from_env() -> RankContext:
+    """Join the process group that ``torchrun`` describes (env://) and build a context.
+
+    Timestamps are aligned across nodes by a barrier: each rank's tracer offset makes the
+    barrier's exit time zero (skew is the barrier's exit jitter, well under a millisecond
+    on one node).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .trace import Tracer
+
+    use_cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    dist.barrier()
+    offset = -time.perf_counter()
+    tracer = Tracer(dist.get_rank(), device, offset=offset)
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD,
+                       backend, tracer)
