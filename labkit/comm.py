@@ -74,16 +74,29 @@ class Handle:
 
     def __init__(self, work, event: Optional[Event], finish=None):
         self._work, self._event, self._finish, self._done = work, event, finish, False
+        self._tracer = current_tracer()  # wait() may run on another thread (a future callback)
+
+    @property
+    def work(self):
+        """The underlying ``torch.distributed`` work object (for ``get_future()``)."""
+        return self._work
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
             self._work.wait()
+        self.complete()
+
+    def complete(self) -> None:
+        """Close the trace event without waiting: for a future callback, which runs after
+        the work finished and must not block on it."""
+        if self._done:
+            return
         if self._finish is not None:
             self._finish()
         self._done = True
-        tracer = current_tracer()
+        tracer = self._tracer
         if self._event is not None and tracer is not None:
             self._event.end = tracer.now()
             tracer.record(self._event)
@@ -105,8 +118,10 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, axis: Optional[str] = None,
-               async_op: bool = False) -> Optional[Handle]:
+               async_op: bool = False, **tags) -> Optional[Handle]:
     """In-place all-reduce of ``tensor`` (any shape) over ``group``.
+
+    ``tags`` (e.g. ``bucket=3``) are stored in the trace event's ``args``.
 
     ``op="avg"`` is computed as a sum followed by a division by N, because gloo has no
     native average. Bytes: 2(N−1)/N · S each way.
@@ -117,11 +132,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, axis: Optional
     return _run("all_reduce", COMM, lambda a: dist.all_reduce(tensor, rop, group, a),
                 group=group, axis=axis, sent=2 * (n - 1) * s / n, recv=2 * (n - 1) * s / n,
                 peers=group_ranks(group), async_op=async_op, finish=finish, numel=tensor.numel(),
-                reduce=op)
+                reduce=op, **tags)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
-                   axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+                   axis: Optional[str] = None, async_op: bool = False, **tags) -> Optional[Handle]:
     """Reduce ``input`` (N·k elements, dim 0 split in N equal chunks) and leave chunk ``r``
     on group rank ``r`` in ``output`` (k elements). Bytes: (N−1)/N · |input|.
 
@@ -139,11 +154,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
                 lambda a: dist.reduce_scatter_tensor(output, input, rop, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
                 peers=group_ranks(group), async_op=async_op, finish=finish,
-                numel=input.numel(), reduce=op)
+                numel=input.numel(), reduce=op, **tags)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
-               axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+               axis: Optional[str] = None, async_op: bool = False, **tags) -> Optional[Handle]:
     """Concatenate every rank's ``input`` (k elements) into ``output`` (N·k), rank order.
     Bytes: (N−1)/N · |output|."""
     n, s = group_size(group), nbytes(output)
@@ -153,7 +168,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     return _run("all_gather", COMM,
                 lambda a: dist.all_gather_into_tensor(output, input, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, numel=output.numel())
+                peers=group_ranks(group), async_op=async_op, numel=output.numel(), **tags)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,

@@ -160,6 +160,7 @@ class RunConfig:
         measure_memory: track memory by category on the last step.
         count_flops: count matmul FLOPs with torch's FLOP counter (one extra step).
         timeout_s: seconds before a hung job is cancelled.
+        return_state: rank 0 returns the final parameters (for parity checks).
     """
 
     model: ModelConfig | str = "tiny"
@@ -177,6 +178,7 @@ class RunConfig:
     measure_memory: bool = True
     count_flops: bool = True
     timeout_s: float = 120.0
+    return_state: bool = False
 
     @property
     def model_config(self) -> ModelConfig:

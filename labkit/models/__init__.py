@@ -1,0 +1,33 @@
+"""Models and data for labkit: a Llama-style ``GPT``, a small ``ViT``, and local datasets.
+
+``build_model`` is the one entry point rank processes use, so that every rank builds
+bit-identical weights from the same seed without a broadcast.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from .data import digits_batch, make_batch, text_batch
+from .gpt import GPT, count_params
+from .vit import ViT
+
+__all__ = ["GPT", "ViT", "build_model", "count_params", "text_batch", "digits_batch",
+           "make_batch"]
+
+
+def build_model(model_cfg: ModelConfig, device="cpu", seed: int = 0,
+                attention: str = "sdpa") -> nn.Module:
+    """Build ``GPT`` or ``ViT`` (by ``model_cfg.kind``) on ``device`` after
+    ``torch.manual_seed(seed)``, so equal arguments give identical weights on every rank.
+
+    Note that this reseeds torch's global CPU RNG as a side effect.
+
+    Raises:
+        ValueError: invalid ``model_cfg`` or unknown ``attention``.
+    """
+    model_cfg.validate()
+    torch.manual_seed(seed)
+    cls = ViT if model_cfg.kind == "vit" else GPT
+    return cls(model_cfg, attention=attention, device=device)

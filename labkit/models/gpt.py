@@ -1,0 +1,286 @@
+"""Llama-style decoder-only transformer (Touvron et al. 2023; Dubey et al. 2024).
+
+Pieces: RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021,
+RoFormer §3.4), SwiGLU feed-forward (Shazeer 2020), causal self-attention with optional
+grouped-query attention (Ainslie et al. 2023), pre-norm residual blocks, no biases.
+
+Shapes use ``B`` batch, ``S`` sequence length, ``H`` = ``d_model``, ``A`` query heads,
+``K`` key/value heads, ``D`` = ``head_dim``, ``V`` vocabulary, ``F`` = ``ffn_dim``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+__all__ = ["GPT", "Block", "Attention", "SwiGLU", "RMSNorm", "rope_tables", "apply_rope",
+           "count_params", "ATTENTION_IMPLS"]
+
+ATTENTION_IMPLS = ("sdpa", "math")
+INIT_STD = 0.02  # GPT-2 / Llama reference initialisation
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, eq. 4): ``x / rms(x) * g``.
+
+    Input ``(..., H)``, output same shape and dtype. The statistic is taken in float32
+    so that bf16/fp16 activations do not lose the small-variance tail.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0,
+                device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos/sin tables (RoFormer §3.4.2), each float32 ``(seq_len, head_dim // 2)``.
+
+    Frequency ``i`` is ``theta ** (-2i / head_dim)``; position ``m`` rotates pair ``i`` by
+    ``m · freq_i`` radians.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                         / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, heads, S, D)`` by position; ``cos``/``sin`` are ``(S, D // 2)``.
+
+    Uses the half-split pairing (dimension ``i`` with ``i + D/2``), as in the GPT-NeoX and
+    Hugging Face Llama code; it is a fixed permutation of RoFormer's interleaved pairs, so
+    relative-position behaviour is identical.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped-query K/V heads and no biases.
+
+    ``wq``: H→A·D, ``wk``/``wv``: H→K·D, ``wo``: A·D→H. Each group of ``A/K`` query heads
+    shares one K/V head (Ainslie et al. 2023, §2), which we realise by repeating K/V heads.
+
+    Args:
+        causal: mask future positions (decoder) or attend everywhere (ViT encoder).
+        impl: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"math"`` (explicit
+            ``softmax(QKᵀ/√D + mask)V``, Vaswani et al. 2017 eq. 1) for teaching/parity.
+
+    Raises:
+        ValueError: unknown ``impl``.
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, impl: str = "sdpa",
+                 device=None, dtype=None):
+        super().__init__()
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.causal, self.impl = causal, impl
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, **kw)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, **kw)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, **kw)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, **kw)
+
+    def forward(self, x: torch.Tensor,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """``x`` ``(B, S, H)`` → ``(B, S, H)``; ``rope`` = ``(cos, sin)`` each ``(S, D/2)``."""
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # materialised repeat keeps both impls on the same, plain MHA code path
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if self.impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            if self.causal:
+                future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            out = scores.float().softmax(dim=-1).type_as(q) @ v
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward ``w2(silu(w1 x) * w3 x)`` (Shazeer 2020, eq. 6).
+
+    ``w1`` (gate) and ``w3`` (up): H→F, ``w2`` (down): F→H, no biases. ``(B, S, H)`` in/out.
+    """
+
+    def __init__(self, d_model: int, ffn_dim: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.w1 = nn.Linear(d_model, ffn_dim, **kw)
+        self.w3 = nn.Linear(d_model, ffn_dim, **kw)
+        self.w2 = nn.Linear(ffn_dim, d_model, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    ``(B, S, H)`` in/out. ``causal=False`` gives the encoder block that ``ViT`` uses.
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, attention: str = "sdpa",
+                 device=None, dtype=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.attn = Attention(cfg, causal=causal, impl=attention, device=device, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _target_device(device) -> torch.device:
+    """Where a model should end up: ``device``, else the ambient default device.
+
+    Models build their layers on ``meta`` and then ``to_empty`` onto this device before
+    ``reset_parameters``: PyTorch's per-layer default inits never run, so the weights are a
+    pure function of the RNG state at ``reset_parameters`` (a meta build followed by
+    ``to_empty`` + ``reset_parameters`` gives the same weights), and nothing is drawn twice.
+    """
+    return torch.device(device) if device is not None else torch.get_default_device()
+
+
+def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
+    """Normal(0, ``std``) for every Linear/Embedding weight, zero biases, ones for norms.
+
+    Visits modules in registration order so the result is a pure function of the RNG state.
+    A tied weight is visited twice; the second draw simply overwrites the first.
+    """
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv2d)):
+            nn.init.normal_(m.weight, 0.0, std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+            nn.init.ones_(m.weight)
+
+
+class GPT(nn.Module):
+    """Llama-style causal language model.
+
+    Args:
+        cfg: a ``ModelConfig`` with ``kind == "gpt"``.
+        attention: ``"sdpa"`` or ``"math"`` (see ``Attention``); both agree to ~1e-6.
+        device, dtype: where to build; ``device="meta"`` allocates nothing, for counting
+            the Llama 3 presets. After ``to_empty``, call ``reset_parameters()``.
+
+    Raises:
+        ValueError: invalid ``cfg`` (from ``cfg.validate()``), ``kind != "gpt"``, unknown
+            ``attention``.
+    """
+
+    def __init__(self, cfg: ModelConfig, attention: str = "sdpa", device=None, dtype=None):
+        super().__init__()
+        cfg.validate()
+        if cfg.kind != "gpt":
+            raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {cfg.kind!r}")
+        self.cfg = cfg
+        target, device = _target_device(device), "meta"  # see _target_device
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, causal=True, attention=attention,
+                                          device=device, dtype=dtype)
+                                    for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device,
+                              dtype=dtype)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        # non-persistent: derived from cfg, so checkpoints stay pure parameters
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-draw all weights from the current RNG and recompute the RoPE tables.
+
+        Also re-ties the head, since ``to_empty`` (meta → real device) replaces each
+        parameter separately and so unties them.
+        """
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        init_weights(self)
+        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta,
+                               device=self.rope_cos.device)
+        if not self.rope_cos.is_meta:  # meta tensors hold no values to fill
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, idx: torch.Tensor,
+                targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``idx`` int64 ``(B, S)`` → logits ``(B, S, V)``, or with ``targets``
+        int64 ``(B, S)`` the scalar mean cross-entropy (nats/token) over all ``B·S`` tokens.
+
+        Raises:
+            ValueError: ``idx`` not 2-D, ``S > cfg.seq_len``, or ``targets`` shape mismatch.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, S), got shape {tuple(idx.shape)}")
+        s = idx.shape[1]
+        if s > self.cfg.seq_len:
+            raise ValueError(f"sequence length {s} exceeds cfg.seq_len={self.cfg.seq_len}")
+        rope = (self.rope_cos[:s], self.rope_sin[:s])
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = layer(x, rope)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape "
+                             f"{tuple(idx.shape)}")
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                               targets.reshape(-1))
+
+
+def count_params(cfg: ModelConfig, include_embeddings: bool = True) -> int:
+    """Analytic parameter count of ``GPT(cfg)`` (or ``ViT(cfg)`` for ``kind="vit"``).
+
+    Equals ``sum(p.numel() for p in model.parameters())``, a tied head counted once.
+    ``include_embeddings=False`` drops the token embedding and an untied output head
+    (GPT), or the patch projection, class token and position table (ViT): the
+    "non-embedding" count of Kaplan et al. 2020, §2.1.
+    """
+    h, hd = cfg.d_model, cfg.head_dim
+    attn = h * cfg.n_heads * hd * 2 + h * cfg.kv_heads * hd * 2  # wq, wo; wk, wv
+    block = attn + 3 * h * cfg.ffn_dim + 2 * h                   # SwiGLU, two norms
+    body = cfg.n_layers * block + h                              # + final norm
+    if cfg.kind == "vit":
+        n_patches = (cfg.image_size // cfg.patch_size) ** 2
+        embed = cfg.channels * cfg.patch_size ** 2 * h + h + h + (n_patches + 1) * h
+        return body + h * cfg.n_classes + cfg.n_classes + (embed if include_embeddings else 0)
+    embed = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
+    return body + (embed if include_embeddings else 0)

@@ -1,0 +1,43 @@
+"""Jobs used only by the tests. Importable by the ranks because pytest puts tests/ on
+sys.path and the cluster hands its sys.path to the ranks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from labkit.parallel.dp import DataParallel
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head_a = nn.Linear(4, 1)
+        self.head_b = nn.Linear(4, 1)  # never used in forward
+
+    def forward(self, x):
+        return self.head_a(torch.relu(self.body(x))).mean()
+
+
+def two_heads(ctx, cfg) -> dict:
+    """One DP step of a model whose ``head_b`` gets no gradient. ``cfg`` is
+    ``(mode, find_unused)``; returns the synced gradients."""
+    mode, find_unused = cfg
+    torch.manual_seed(0)
+    model = DataParallel(TwoHeads(), ctx.group, mode=mode, bucket_mb=1.0,
+                         find_unused=find_unused)
+    x = torch.full((2, 4), float(ctx.rank + 1))
+    model(x).backward()
+    model.finish_gradient_sync()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def gradients(ctx, cfg) -> dict:
+    """The synced gradient of a one-row-per-rank mean loss (the world-size-factor check)."""
+    mode = cfg
+    torch.manual_seed(0)
+    model = DataParallel(nn.Linear(3, 1), ctx.group, mode=mode)
+    rows = torch.tensor([[1.0, 2.0, 3.0], [-4.0, 5.0, 0.5]])
+    model(rows[ctx.rank:ctx.rank + 1]).pow(2).mean().backward()
+    model.finish_gradient_sync()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
