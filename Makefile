@@ -1,0 +1,98 @@
+# labkit developer commands (GNU make).
+#   make lab    -- JupyterLab on http://127.0.0.1:8888 (loopback only), notebooks/ as root
+#   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
+#   make bench  -- run every benchmarks/*.py
+#   make clean  -- remove build/test debris (keeps .venv);  make distclean also drops .venv
+# Everything runs from .venv, created on demand with the pinned versions in constraints.txt.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+.DELETE_ON_ERROR:
+
+PYTHON   ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+STAMP    := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
+# nbval mode: --nbval-lax runs every cell (any exception fails) and compares outputs
+# only for cells marked `# NBVAL_CHECK_OUTPUT`; see docs/SETUP_NOTES.md for why.
+NBVAL    ?= --nbval-lax
+# Jupyter refuses to start as root unless told so (CI runs as root).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: help .venv venv lab test chromium bench clean distclean
+
+help:
+	@echo "make lab | test | bench | clean | distclean | .venv"
+
+# ---------------------------------------------------------------- virtualenv
+.venv venv: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# Re-installs whenever pyproject.toml or constraints.txt change.
+$(STAMP): pyproject.toml constraints.txt | $(VPY)
+	$(VPY) -m pip install -q -c constraints.txt -e ".[lab,dev]"
+	@$(VPY) -c "import importlib.metadata as m, torch, labkit, labkit_widgets; print('torch', torch.__version__, '| labkit', m.version('labkit'))"
+	@touch $@
+
+# ---------------------------------------------------------------- lab
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks $(ALLOW_ROOT)
+
+# ---------------------------------------------------------------- test
+# Browser tests need $(CHROMIUM).  As root we apt-get it; otherwise we warn: the browser
+# tests then skip, except under CI=true where they fail.
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing chromium with apt-get"; \
+	  apt-get update -qq; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  "$(CHROMIUM)" --version; \
+	elif [ -n "$${CI:-}" ]; then \
+	  echo "make: WARNING $(CHROMIUM) is missing and we are not root -- browser tests will FAIL (CI is set)"; \
+	else \
+	  echo "make: WARNING $(CHROMIUM) is missing and we are not root -- browser tests will be SKIPPED"; \
+	  echo "      install it with: sudo apt-get install chromium"; \
+	fi
+
+# Runs the pytest suite and then nbval; both always run, the target fails if either
+# fails.  pytest's exit code 5 ("no tests collected") counts as a failure for tests/;
+# for notebooks/ we only call nbval when there is at least one notebook.
+test: $(STAMP) chromium
+	@start=$$(date +%s); rc=0; \
+	echo "== pytest tests/"; \
+	$(VPY) -m pytest -q -ra tests || rc=$$?; \
+	mapfile -t nbs < <(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort); \
+	if [ $${#nbs[@]} -eq 0 ]; then \
+	  echo "== nbval: no notebooks under notebooks/ yet -- skipped"; \
+	else \
+	  echo "== nbval ($(NBVAL)) on $${#nbs[@]} notebook(s)"; \
+	  $(VPY) -m pytest -q -ra $(NBVAL) --nbval-current-env \
+	    --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$${nbs[@]}" || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	fi; \
+	echo "== make test: total wall time $$(( $$(date +%s) - start )) s, exit $$rc"; \
+	exit $$rc
+
+# ---------------------------------------------------------------- bench
+bench: $(STAMP)
+	@shopt -s nullglob; files=(benchmarks/*.py); rc=0; \
+	[ $${#files[@]} -gt 0 ] || echo "no benchmarks/*.py yet"; \
+	for f in "$${files[@]}"; do \
+	  echo "== $$f"; $(VPY) "$$f" || { rc=$$?; echo "!! $$f failed (exit $$rc)"; }; \
+	done; \
+	exit $$rc
+
+# ---------------------------------------------------------------- clean
+clean:
+	rm -rf build dist *.egg-info tests/artifacts .pytest_cache
+	find . -path ./$(VENV) -prune -o \( -name __pycache__ -o -name .ipynb_checkpoints \) -type d -print0 \
+	  | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Browser (Playwright + headless Chromium) tests of JupyterLab notebooks."""

@@ -1,0 +1,238 @@
+"""Widgets, headless: TimelineView on real cluster traces, Explorer driven by ``set()``.
+
+The Explorer is tested twice: against a fake cluster whose results follow the train job's
+per-rank schema (:func:`fake_train_output`), so the widget logic is checked without
+training; and against the real ``labkit.jobs.train`` on a 2-rank cluster once
+``labkit/train.py`` exists.
+"""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import pytest
+import torch
+
+import labkit
+from labkit import comm, jobs
+from labkit.cluster import RunResult
+from labkit.config import RunConfig
+from labkit.trace import Event, Trace
+
+# plotly is imported inside the tests: rank processes import this module to find
+# stepped_job, and should not pay for plotly there.
+HAVE_TRAIN = (Path(labkit.__file__).parent / "train.py").exists()
+needs_train = pytest.mark.skipif(not HAVE_TRAIN, reason="labkit/train.py not written yet")
+
+
+# --------------------------------------------------------------------------- helpers
+def stepped_job(ctx, steps=3) -> int:
+    """A real traced job with compute regions and a gradient all-reduce per step."""
+    x = torch.randn(64, 64, device=ctx.device)
+    for s in range(steps or 3):
+        ctx.tracer.step = s
+        with ctx.tracer.region("forward"):
+            y = x @ x
+        with ctx.tracer.region("backward"):
+            g = y @ x
+        comm.all_reduce(g, group=ctx.group, axis="dp")
+        with ctx.tracer.region("optimizer"):
+            x = x - 1e-3 * g
+    return steps
+
+
+def fake_train_output(cfg: RunConfig, rank: int) -> dict:
+    """One rank's ``jobs.train`` return value, in the schema ``labkit.train`` produces."""
+    n_params, dp, micro = 100_000, cfg.parallel.dp, cfg.micro
+    pred = {"parameters": 4 * n_params, "gradients": 4 * n_params, "optimizer": 8 * n_params}
+    pred["total"] = sum(pred.values())
+    peak = {"parameters": 4 * n_params, "gradients": 4 * n_params,
+            "optimizer": 8 * n_params, "activations": 30_000 * micro, "other": 1_000}
+    comm_bytes = 2 * (dp - 1) / dp * 4 * n_params
+    step_s = 0.02 * cfg.accum_steps + 0.001 * (dp - 1)
+    flops = 6.0 * n_params * cfg.local_batch * 64
+    return {"losses": [4.0 - 0.1 * s + 0.01 * rank for s in range(cfg.steps)],
+            "metrics": {
+                "rank": rank, "dp": dp, "micro_batch": micro, "accum_steps": cfg.accum_steps,
+                "dp_mode": cfg.dp_mode, "bucket_mb": cfg.bucket_mb, "n_params": n_params,
+                "tokens_per_step": cfg.global_batch * 64, "step_time_s": step_s,
+                "step_times": [step_s] * cfg.steps,
+                "memory": {"peak": peak, "peak_total": sum(peak.values()), "allocator_peak": None,
+                           "timeline": [["after forward", peak]]},
+                "memory_predicted": pred, "flops_per_step": flops, "flops_analytic": flops,
+                "peak_flops": 1e11, "mfu": flops / 1e11 / step_s, "hfu": flops / 1e11 / step_s,
+                "comm_bytes_per_step": comm_bytes, "comm_bytes_predicted": comm_bytes}}
+
+
+class FakeCluster:
+    """``world_size`` + ``run(job, cfg)`` like a Cluster, answering from the schema."""
+
+    world_size = 2
+
+    def __init__(self, on_run=None):
+        self.configs, self.on_run = [], on_run
+
+    def run(self, job, cfg):
+        cfg.validate(self.world_size)
+        if self.on_run:
+            self.on_run(cfg)
+        self.configs.append(cfg)
+        dp = cfg.parallel.dp
+        events = [Event(r, n, "compute", s + i * 0.01, s + i * 0.01 + 0.004, s)
+                  for r in range(dp) for s in range(cfg.steps)
+                  for i, n in enumerate(("forward", "backward", "optimizer"))]
+        return RunResult(cfg, [fake_train_output(cfg, r) for r in range(dp)], Trace(events),
+                         0.01, "fake")
+
+
+def _text(widget_html: str) -> str:
+    return html.unescape(widget_html)
+
+
+def _traces(fig) -> dict:
+    return {t.name: t for t in fig.data}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = labkit.Cluster(2, threads_per_rank=1)
+    yield c
+    c.close()
+
+
+# --------------------------------------------------------------------------- timeline
+def test_timeline_real_all_reduce(cluster):
+    from plotly.basewidget import BaseFigureWidget
+
+    from labkit_widgets import TimelineView
+
+    tv = TimelineView(cluster.run(jobs.all_reduce_demo))
+    ar = _traces(tv.fig)["all-reduce"]
+    assert len(ar.x) == 2 and all(d >= 0 for d in ar.x)
+    assert sorted(c[7] for c in ar.customdata) == [0, 1]
+    assert ar.customdata[0][3] == "16 B"  # 2(N-1)/N · 16 B sent
+    assert list(tv.fig.layout.yaxis.ticktext) == ["rank 0", "comm", "rank 1", "comm"]
+    fig = tv.figure()
+    assert not isinstance(fig, BaseFigureWidget) and len(fig.data) == len(tv.fig.data)
+
+
+def test_timeline_compute_comm_and_step_filter(cluster):
+    from labkit_widgets import TimelineView
+    from labkit_widgets.timeline import COMM_OFFSET
+
+    tv = TimelineView(cluster.run(stepped_job, 3))
+    t = _traces(tv.fig)
+    for name in ("forward", "backward", "optimizer"):
+        assert len(t[name].x) == 6  # 3 steps x 2 ranks
+    assert len(t["all-reduce"].x) == 6
+    assert sorted(t["all-reduce"].y) == pytest.approx([COMM_OFFSET] * 3 + [1 + COMM_OFFSET] * 3)
+    assert {y for y in t["forward"].y} == {0, 1}
+    assert [v for _, v in tv.step_selector.options] == [None, 0, 1, 2]
+    all_x = list(t["backward"].x)
+    tv.step_selector.value = 1  # the observe path
+    t = _traces(tv.fig)
+    assert len(t["backward"].x) == 2 and {c[1] for c in t["backward"].customdata} == {1}
+    assert list(t["backward"].x) != all_x and "step 1" in tv.fig.layout.title.text
+    tv.update(Trace())  # an empty run: no crash, selector back to all steps
+    assert tv.step is None and sum(len(d.x) for d in tv.fig.data) == 0
+    assert tv.fig.layout.title.text == "no events recorded"
+
+
+def test_timeline_many_events_few_traces():
+    from labkit_widgets import TimelineView
+
+    events = [Event(r, n, "compute" if n != "all_reduce" else "comm", s * 1e-3 + i * 1e-4,
+                    s * 1e-3 + (i + 1) * 1e-4, s, op="all_reduce" if n == "all_reduce" else None)
+              for r in range(4) for s in range(250)
+              for i, n in enumerate(("forward", "backward", "all_reduce", "optimizer", "data"))]
+    tv = TimelineView(Trace(events))
+    assert len(tv.fig.data) == 12  # fixed families, not one trace per event
+    assert sum(len(d.x) for d in tv.fig.data) == len(events) == 5000
+    assert "application/vnd.plotly.v1+json" in tv._repr_mimebundle_()
+
+
+# --------------------------------------------------------------------------- explorer
+def _memory_data(ex):
+    return [(tuple(map(tuple, d.x)), tuple(d.y)) for d in ex.figures["memory"].data]
+
+
+def test_explorer_fake_headless():
+    from labkit_widgets import Explorer
+
+    busy = []
+    fake = FakeCluster(on_run=lambda cfg: busy.append(ex.controls["dp"].disabled))
+    ex = Explorer(fake, RunConfig(global_batch=8, steps=2), job=jobs.train, run_now=False)
+    assert list(ex.controls["dp"].options) == [1, 2]
+    assert all(not c.continuous_update for k, c in ex.controls.items() if k != "dp_mode")
+    assert ex.set(dp=1) is not None
+    mem1 = _memory_data(ex)
+    assert list(ex.controls["micro_batch"].options) == [1, 2, 4, 8]
+    ex.set(dp=2)
+    assert _memory_data(ex) != mem1 and len(ex.history) == 2
+    assert list(ex.controls["micro_batch"].options) == [1, 2, 4]  # recomputed for dp=2
+    assert ex.controls["micro_batch"].value == 4 and fake.configs[-1].micro == 4
+    assert busy == [True, True] and not ex.controls["dp"].disabled  # disabled while running
+    assert ex.last_latency_s > 0 and ex.last_result.config.parallel.dp == 2
+    assert "re-run took" in _text(ex.status.value)
+    comm_fig = ex.figures["comm"]
+    assert list(comm_fig.data[1].y) == pytest.approx([2 * 0.5 * 4e5 / 2 ** 20] * 2)
+    assert ex.figures["mfu"].data[0].value == pytest.approx(ex.history[-1]["mfu_pct"])
+    assert "<table" in ex.history_html.value and ex.history_html.value.count("<tr") == 3
+    # a slider change runs through observe, exactly like a user drag
+    ex.controls["dp_mode"].value = "naive"
+    assert len(ex.history) == 3 and fake.configs[-1].dp_mode == "naive"
+    ex.set(micro_batch=2, bucket_mb=0.01)
+    assert (fake.configs[-1].micro, fake.configs[-1].bucket_mb) == (2, 0.01)
+    assert len(fake.configs) == 4  # one run per set(), however many controls it changed
+
+
+def test_explorer_invalid_shows_error_not_exception():
+    from labkit_widgets import Explorer
+
+    ex = Explorer(FakeCluster(), RunConfig(global_batch=8, steps=2), run_now=True)
+    assert len(ex.history) == 1
+    for bad in ({"dp": 3}, {"micro_batch": 3}, {"dp_mode": "zero9"}, {"global_batch": 3, "dp": 2}):
+        assert ex.set(**bad) is None, bad
+        status = _text(ex.status.value)
+        assert "labkit-status-error" in status and "invalid configuration" in status, bad
+        assert isinstance(ex.last_error, ValueError)
+    assert "global_batch=3" in status and "not divisible" in status
+    assert len(ex.history) == 1 and not ex.controls["dp"].disabled
+    with pytest.raises(TypeError):
+        ex.set(dpp=2)  # a typo is a programming error, not a configuration to show
+    ex.set(global_batch=8)  # recovers
+    assert ex.last_error is None and len(ex.history) == 2
+
+
+def test_explorer_static_figures():
+    import plotly.graph_objects as go
+    from plotly.basewidget import BaseFigureWidget
+
+    from labkit_widgets import Explorer
+
+    ex = Explorer(FakeCluster(), RunConfig(global_batch=4, steps=1))
+    for name, live in ex.figures.items():
+        snap = ex.figure(name)
+        assert isinstance(live, BaseFigureWidget) and not isinstance(snap, BaseFigureWidget)
+        assert isinstance(snap, go.Figure)
+        assert snap.to_dict()["data"] == live.to_dict()["data"]
+    assert set(ex.figures) == {"memory", "mfu", "comm", "timeline"}
+    assert list(ex.figure().data[0].x[1][:2]) == ["measured", "predicted"]
+
+
+@needs_train
+def test_explorer_real_train(cluster):
+    from labkit_widgets import Explorer
+
+    ex = Explorer(cluster, RunConfig(steps=2, global_batch=8), run_now=False)
+    ex.set(dp=1)
+    assert ex.last_error is None, ex.last_error
+    mem1 = _memory_data(ex)
+    ex.set(dp=2)
+    assert ex.last_error is None, ex.last_error
+    assert _memory_data(ex) != mem1 and len(ex.history) == 2
+    m = ex.last_result.metrics
+    assert len(m) == 2 and m[0]["comm_bytes_per_step"] > 0 and ex.history[-1]["comm_bytes"] > 0
+    assert len(_traces(ex.figures["timeline"])["backward"].x) > 0
+    assert 0 < ex.last_latency_s < 60
+    print(f"Explorer tiny-model re-run latency: {ex.last_latency_s:.3f} s")

@@ -1,0 +1,15 @@
+"""labkit_widgets: ipywidgets + plotly views of labkit runs.
+
+* :class:`TimelineView` — per-rank compute/communication timeline of a ``RunResult``.
+* :class:`Explorer` — data-parallel knobs that re-run training on a warm ``Cluster`` and
+  show measured memory, MFU and communication beside the formulas.
+
+Each view is an ``ipywidgets.VBox`` around plotly ``FigureWidget``\\ s, updated in one
+``batch_update()`` per change; ``.figure()`` returns a static ``go.Figure`` snapshot and
+``.static()`` displays it (for nbval and saved notebooks). Dependencies point one way:
+these widgets import labkit, labkit never imports them.
+"""
+from .explorer import Explorer
+from .timeline import TimelineView
+
+__all__ = ["Explorer", "TimelineView"]

@@ -1,0 +1,192 @@
+"""``TimelineView``: what every rank did, when — compute and communication side by side.
+
+Each rank gets a row: compute spans (forward, backward, optimizer, other) on the row itself
+and communication spans (all-reduce, all-gather, send/recv …) on a thinner lane just below
+it, so a gradient all-reduce running under backward shows as two overlapping bars.
+Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
+name, step, op, the algorithmic bytes it sent and received, and its duration.
+
+The figure has a fixed set of traces — one per compute family and one per comm op family —
+whatever the run, so thousands of events cost a few arrays, not thousands of traces, and
+an update is a data swap inside one ``batch_update()``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from labkit.trace import COMPUTE, Trace
+
+from . import _style as S
+
+__all__ = ["TimelineView", "timeline_traces"]
+
+#: the comm lane sits this far below its rank's compute lane (rank rows are 1 apart)
+COMM_OFFSET = 0.42
+_COMPUTE_WIDTH, _COMM_WIDTH = 0.4, 0.3
+
+_COMPUTE_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]}"
+                  "<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>%{fullData.name}"
+                  "</extra>")
+_COMM_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]} · "
+               "op %{customdata[2]} · axis %{customdata[8]}<br>sent %{customdata[3]} · "
+               "recv %{customdata[4]}<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)"
+               "<extra>%{fullData.name}</extra>")
+
+_FAMILIES = [("compute", fam) for fam in S.COMPUTE_COLORS] + \
+            [("comm", op) for op in S.COMM_COLORS]
+
+
+def _empty_traces() -> list:
+    traces = []
+    for kind, fam in _FAMILIES:
+        compute = kind == "compute"
+        traces.append(go.Bar(
+            name=fam if compute else fam.replace("_", "-"), orientation="h",
+            legendgroup=kind, legendgrouptitle_text=kind,
+            width=_COMPUTE_WIDTH if compute else _COMM_WIDTH,
+            marker=dict(color=(S.COMPUTE_COLORS if compute else S.COMM_COLORS)[fam],
+                        line_width=0),
+            hovertemplate=_COMPUTE_HOVER if compute else _COMM_HOVER,
+            x=[], y=[], base=[], customdata=[], showlegend=False))
+    return traces
+
+
+def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict], dict]:
+    """The bar data for ``trace`` (only ``step``'s events when given).
+
+    Returns ``(per_trace, layout)``: one ``{x, y, base, customdata, showlegend}`` dict per
+    family in :data:`_FAMILIES` order, and the y-axis / title layout for the ranks present.
+    Pure data: no widget is touched, so it is cheap to test.
+    """
+    ranks = trace.ranks
+    row = {r: i for i, r in enumerate(ranks)}
+    index = {fam: i for i, fam in enumerate(_FAMILIES)}
+    cols = [{"x": [], "y": [], "base": [], "customdata": []} for _ in _FAMILIES]
+    events = trace.events if step is None else [e for e in trace.events if e.step == step]
+    # longest first inside a trace, so nested regions (layers.1.backward in backward) and
+    # short collectives draw on top of the spans that contain them
+    for e in sorted(events, key=lambda e: -e.duration):
+        is_compute = e.cat == COMPUTE
+        fam = ("compute", S.compute_family(e.name)) if is_compute else ("comm", S.comm_family(e.op))
+        col = cols[index[fam]]
+        start_ms, dur_ms = (e.start - trace.t0) * 1e3, max(e.duration, 0.0) * 1e3
+        col["x"].append(dur_ms)
+        col["base"].append(start_ms)
+        col["y"].append(row[e.rank] + (0.0 if is_compute else COMM_OFFSET))
+        col["customdata"].append([e.name, e.step, e.op or "–", S.fmt_bytes(e.bytes_sent),
+                                  S.fmt_bytes(e.bytes_recv), dur_ms, start_ms, e.rank,
+                                  e.axis or "–"])
+    for c in cols:
+        c["showlegend"] = bool(c["x"])
+    tickvals, ticktext = [], []
+    for r, i in row.items():
+        tickvals += [i, i + COMM_OFFSET]
+        ticktext += [f"rank {r}", "comm"]
+    span = (max(e.end for e in events) - trace.t0) * 1e3 if events else 0.0
+    what = "all steps" if step is None else f"step {step}"
+    title = (f"{len(events)} events on {len(ranks)} rank(s), {what}, {span:.1f} ms"
+             if events else "no events recorded")
+    layout = {"yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext,
+              "yaxis.range": [len(ranks) - 1 + COMM_OFFSET + 0.4, -0.5] if ranks else [1, -1],
+              "title.text": title, "height": 140 + 70 * max(len(ranks), 1)}
+    return cols, layout
+
+
+def _base_layout() -> dict:
+    return dict(barmode="overlay", bargap=0, template="plotly_white",
+                xaxis=dict(title="ms from the first event", zeroline=False),
+                yaxis=dict(tickmode="array", tickvals=[], ticktext=[], range=[1, -1],
+                           zeroline=False, showgrid=False),
+                legend=dict(groupclick="toggleitem"), margin=dict(l=70, r=20, t=50, b=40),
+                title=dict(text="no events recorded", font_size=14), height=210,
+                hoverlabel=dict(align="left"))
+
+
+class TimelineView(W.VBox):
+    """A per-rank timeline of one run's recorded events, with a step selector.
+
+    Args:
+        result: a :class:`labkit.RunResult` (or a bare :class:`labkit.trace.Trace`);
+            ``None`` starts empty.
+
+    Attributes:
+        fig: the ``go.FigureWidget`` (updated in place, inside ``batch_update()``).
+        step_selector: ``ipywidgets.Dropdown`` — ``None`` for all steps, else a step index.
+        result: the run on display.
+
+    The view is itself an ``ipywidgets.VBox`` (selector above figure): display it.
+    """
+
+    def __init__(self, result=None, **kwargs):
+        super().__init__(**kwargs)
+        self.result = None
+        self._trace = Trace()
+        self._quiet = False
+        self.step_selector = W.Dropdown(options=[("all steps", None)], value=None,
+                                        description="step", layout=W.Layout(width="200px"))
+        self.fig = go.FigureWidget(data=_empty_traces(), layout=_base_layout())
+        self.step_selector.observe(self._on_step, names="value")
+        self.children = [self.step_selector, self.fig]
+        if result is not None:
+            self.update(result)
+
+    # -- data in -------------------------------------------------------------------
+    def update(self, result: Union["object", Trace]) -> "TimelineView":
+        """Show another run (``RunResult`` or ``Trace``); keeps the selected step if present."""
+        self.result = result
+        self._trace = result if isinstance(result, Trace) else getattr(result, "trace", Trace())
+        steps = sorted({e.step for e in self._trace.events if e.step >= 0})
+        keep = self.step_selector.value if self.step_selector.value in steps else None
+        self._quiet = True
+        try:
+            self.step_selector.options = [("all steps", None)] + [(f"step {s}", s) for s in steps]
+            self.step_selector.value = keep
+        finally:
+            self._quiet = False
+        self._redraw()
+        return self
+
+    @property
+    def step(self) -> Optional[int]:
+        """The selected step (``None`` = all)."""
+        return self.step_selector.value
+
+    @step.setter
+    def step(self, value: Optional[int]) -> None:
+        self.step_selector.value = value
+
+    def _on_step(self, _change) -> None:
+        if not self._quiet:
+            self._redraw()
+
+    def _redraw(self) -> None:
+        cols, layout = timeline_traces(self._trace, self.step_selector.value)
+        with self.fig.batch_update():
+            for tr, col in zip(self.fig.data, cols):
+                tr.update(col)
+            self.fig.update_layout(layout)
+
+    # -- static rendering ----------------------------------------------------------
+    def figure(self) -> go.Figure:
+        """A plain ``go.Figure`` snapshot of what is on display (no widget, no kernel)."""
+        return go.Figure(self.fig)
+
+    def static(self) -> None:
+        """Display :meth:`figure` (for nbval and for reading a saved notebook)."""
+        from IPython.display import display
+
+        display(self.figure())
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        # live widget first; the plotly JSON is the fallback a saved notebook can render
+        bundle = dict(S.static_bundle(self.fig))
+        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
+                                                **kwargs) or {})
+        bundle.setdefault("text/plain", repr(self))
+        return bundle
+
+    def __repr__(self) -> str:
+        return f"TimelineView({self._trace!r}, step={self.step_selector.value})"
