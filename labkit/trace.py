@@ -188,6 +188,25 @@ class Trace:
                 cur_e = max(cur_e, e)
         return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
+    def overlap_fraction(self, rank: int, op: str = "all_reduce",
+                         under: tuple = ("backward",), step=None) -> float:
+        """Fraction (0–1) of ``rank``'s ``op`` time that ran while a compute region named in
+        ``under`` was open: communication hidden behind computation. 0 when there is no
+        ``op`` time.
+
+        For async ops the span runs from issue to ``wait()``, so this measures how much of
+        the in-flight window the computation covered (on gloo the transfer itself runs on
+        a background thread in that window).
+        """
+        comm = [(e.start, e.end) for e in self.filter(rank=rank, op=op, step=step)]
+        busy = [(e.start, e.end) for e in self.filter(rank=rank, cat=COMPUTE, step=step)
+                if e.name in under]
+        total = sum(e - s for s, e in comm)
+        if total <= 0:
+            return 0.0
+        hidden = sum(max(0.0, min(ce, be) - max(cs, bs)) for cs, ce in comm for bs, be in busy)
+        return min(1.0, hidden / total)
+
     def to_dicts(self) -> list[dict]:
         return [asdict(e) for e in self.events]
 

@@ -1,0 +1,54 @@
+"""Traces: one clock across ranks, Chrome export, byte and overlap queries."""
+import json
+
+from labkit import jobs
+from labkit.config import RunConfig
+from labkit.trace import Event, Trace, Tracer, use_tracer, region
+
+
+def test_tracer_regions_and_contextvar():
+    t = Tracer(rank=3)
+    with use_tracer(t):
+        t.step = 2
+        with region("forward", micro=0):
+            pass
+    with region("outside"):  # no tracer: a no-op
+        pass
+    assert [(e.name, e.rank, e.step, e.args) for e in t.events] == [("forward", 3, 2, {"micro": 0})]
+    t.enabled = False
+    with t.region("x"):
+        pass
+    assert len(t.events) == 1
+
+
+def test_overlap_and_busy_time():
+    ev = [Event(0, "backward", "compute", 0.0, 1.0), Event(0, "all_reduce", "comm", 0.5, 1.5,
+                                                           op="all_reduce", bytes_sent=8.0)]
+    tr = Trace(ev)
+    assert tr.overlap_fraction(0) == 0.5
+    assert tr.busy_time(0) == 1.0
+    assert tr.comm_bytes(0) == 8.0
+
+
+def test_chrome_export_from_a_real_run(cluster2, tmp_path):
+    r = cluster2.run(jobs.train, RunConfig(steps=2, measure_memory=False, count_flops=False)
+                     .replace(dp=2))
+    path = tmp_path / "run.trace.json"
+    doc = r.trace.to_chrome(str(path))
+    loaded = json.loads(path.read_text())
+    assert loaded == json.loads(json.dumps(doc))
+    spans = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}  # one track per rank
+    assert {"forward", "backward", "optimizer", "all_reduce"} <= {e["name"] for e in spans}
+    assert min(e["ts"] for e in spans) == 0.0
+    ar = [e for e in spans if e["name"] == "all_reduce"]
+    assert all(e["tid"] == 1 and e["args"]["bytes_sent"] > 0 for e in ar)
+    names = [e["args"]["name"] for e in loaded["traceEvents"] if e["name"] == "process_name"]
+    assert names == ["rank 0", "rank 1"]
+
+
+def test_ranks_share_one_clock(cluster2):
+    """Both ranks leave an all-reduce at (nearly) the same instant on the shared clock."""
+    r = cluster2.run(jobs.hello)
+    ends = [e.end for e in r.trace.filter(op="all_reduce")]
+    assert len(ends) == 2 and abs(ends[0] - ends[1]) < 0.05
