@@ -180,10 +180,11 @@ def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> 
         del ref
     flops = ctx.cache[key] * accum
     out["flops_per_step"] = float(flops)
-    peak_key = ("peak", str(ctx.device), ctx.world_size)
+    dtype = next(model.parameters()).dtype  # divide by the peak of the dtype that ran
+    peak_key = ("peak", str(ctx.device), ctx.world_size, dtype)
     if peak_key not in ctx.cache:
         if ctx.is_cuda:
-            ctx.cache[peak_key] = device_peak_flops(ctx.device, torch.bfloat16)
+            ctx.cache[peak_key] = device_peak_flops(ctx.device, dtype)
         else:
             ctx.cache[peak_key] = device_peak_flops(
                 ctx.device, torch.float32, ranks=ctx.world_size,

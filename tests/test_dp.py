@@ -118,3 +118,13 @@ def test_gradient_is_mean_not_sum(cluster2, mode):
     for o in out:
         assert torch.allclose(o["weight"], lin.weight.grad, atol=1e-6)
         assert torch.allclose(o["bias"], lin.bias.grad, atol=1e-6)
+
+
+def test_vit_on_digits_parity(cluster4):
+    """The second real model: a ViT on scikit-learn's digits, dp=4 vs one process."""
+    cfg = RunConfig(model="vit-digits", dataset="digits", steps=3, global_batch=8,
+                    return_state=True, measure_memory=False, count_flops=False).replace(dp=4)
+    r = cluster4.run(jobs.train, cfg)
+    ref = reference(cfg)
+    assert _global_losses(r, 4) == pytest.approx(ref["losses"], abs=TOL)
+    assert (r.outputs[0]["state"] - ref["state"]).abs().max().item() < TOL
