@@ -1,0 +1,29 @@
+"""Jobs used only by the benchmarks (a package, so ``make bench``'s ``benchmarks/*.py`` glob
+does not run it). The scripts put ``benchmarks/`` on ``sys.path`` before starting a
+``Cluster``; the cluster hands its ``sys.path`` to the ranks, so they import these by name.
+"""
+from __future__ import annotations
+
+from labkit.train import run
+
+__all__ = ["train_traced", "train_untraced", "timed_train"]
+
+
+def train_traced(ctx, cfg) -> dict:
+    """``labkit.train.run`` with the tracer on (the default), through the same call path as
+    :func:`train_untraced` so the comparison differs only in tracing."""
+    ctx.tracer.enabled = True
+    return run(ctx, cfg)
+
+
+def train_untraced(ctx, cfg) -> dict:
+    """``labkit.train.run`` with the tracer off: no compute or comm events are recorded
+    (step times are still read from the tracer's clock)."""
+    ctx.tracer.enabled = False
+    return run(ctx, cfg)
+
+
+def timed_train(ctx, cfg) -> dict:
+    """``labkit.train.run`` inside one traced ``job`` region: the rank's own job time."""
+    with ctx.tracer.region("job"):
+        return run(ctx, cfg)

@@ -1,0 +1,329 @@
+"""``labkit run | plan | bench``: the notebook's jobs from a terminal, or under torchrun.
+
+* ``labkit run --dp 2 --steps 5 --model tiny`` starts its own :class:`labkit.Cluster`,
+  runs :func:`labkit.jobs.train` and prints one row per rank: step time, MFU, model-state
+  memory measured beside :mod:`labkit.plan`, all-reduce bytes beside 2(N−1)/N·|θ|·4.
+* ``torchrun --nproc-per-node 2 -m labkit run --dp 2 ...`` runs the same job in-process on
+  each torchrun worker (env:// rendezvous), gathers every rank's output to rank 0 and
+  prints the same table there.
+* ``labkit plan memory --params 7.5e9 --ranks 64 --zero 3``: model-state bytes per rank.
+* ``labkit bench collectives ...``: provided by :mod:`labkit.collectives.bench`.
+
+Bad input is a one-line ``error: ...`` and exit code 2, before any process starts.
+Only the config module is imported before validation: torch loads after it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser", "render_run", "run_json", "under_torchrun"]
+
+MiB = 2 ** 20
+_BENCH_MODULE = "labkit.collectives.bench"
+
+
+class UsageError(Exception):
+    """Bad input: printed as ``error: ...``, exit code 2."""
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
+    """The argument parser; ``bench_collectives`` is the imported bench module, if any."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="labkit", description="labkit: run, plan and benchmark "
+                                "distributed training on a local cluster or under torchrun.")
+    p.add_argument("--version", action="version", version=f"labkit {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{run,plan,bench}", required=True)
+
+    r = sub.add_parser("run", help="train a model data-parallel and print per-rank metrics",
+                       description="Train with --dp ranks (own local cluster, or the torchrun "
+                       "workers when launched by torchrun) and print measured vs predicted.")
+    r.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default 1; WORLD_SIZE under torchrun)")
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--model", default="tiny", help="model preset (tiny, small, gpt2-124m, ...)")
+    r.add_argument("--global-batch", type=int, default=8)
+    r.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per forward/backward (default: the whole local batch)")
+    r.add_argument("--dp-mode", default="ddp", choices=("ddp", "naive", "torch"))
+    r.add_argument("--bucket-mb", type=float, default=25.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
+    r.add_argument("--json", action="store_true", help="print metrics as JSON, not a table")
+    r.set_defaults(func=cmd_run)
+
+    pl = sub.add_parser("plan", help="analytic planning (labkit.plan)")
+    plsub = pl.add_subparsers(dest="what", metavar="{memory}", required=True)
+    m = plsub.add_parser("memory", help="model-state bytes per rank under DP / ZeRO-1..3",
+                         description="Bytes of parameters, gradients and Adam state per rank.")
+    m.add_argument("--params", type=_count, required=True,
+                   help="parameters, e.g. 7.5e9 or 7.5B")
+    m.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharing the state")
+    m.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    m.add_argument("--fp32", action="store_true", help="fp32 training (4/4/8 bytes per "
+                   "parameter) instead of mixed precision (2/2/12)")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_plan_memory)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="what", metavar="{collectives}", required=True)
+    c = bsub.add_parser("collectives", help="collective bandwidth (algbw/busbw) sweep")
+    if bench_collectives is not None:
+        bench_collectives.add_arguments(c)
+        c.set_defaults(func=lambda args: bench_collectives.main(args))
+    else:
+        c.set_defaults(func=lambda args: _bench_unavailable())
+    return p
+
+
+def _count(text: str) -> float:
+    """``7.5e9``, ``7.5B``, ``70M``, ``1.2T`` → a float count."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in scale:
+            return float(t[:-1]) * scale[t[-1]]
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (try 7.5e9 or 7.5B)") \
+            from None
+
+
+def _load_bench_collectives():
+    try:
+        return importlib.import_module(_BENCH_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("labkit.collectives", _BENCH_MODULE):
+            return None
+        raise
+
+
+def _bench_unavailable() -> int:
+    print("labkit bench collectives is not available in this build", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- run
+def under_torchrun(env=os.environ) -> bool:
+    """True inside a worker started by torchrun / torch.distributed.run."""
+    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+
+
+def _run_config(args, world_size: int):
+    """The RunConfig the arguments describe, validated for ``world_size`` ranks."""
+    from .config import PRESETS, RunConfig
+
+    dp = args.dp
+    if dp is None or dp < 1:
+        raise UsageError(f"dp must be a positive int, got {dp}")
+    if args.global_batch < 1 or args.global_batch % dp:
+        raise UsageError(f"global_batch={args.global_batch} is not divisible by dp={dp} "
+                         f"(each rank takes global_batch/dp samples)")
+    cfg = RunConfig(model=args.model, steps=args.steps, global_batch=args.global_batch,
+                    micro_batch=args.micro_batch, dp_mode=args.dp_mode,
+                    bucket_mb=args.bucket_mb, seed=args.seed, lr=args.lr,
+                    dataset="digits" if getattr(PRESETS.get(args.model), "kind", "") == "vit"
+                    else "text").replace(dp=dp)
+    try:
+        return cfg.validate(world_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_run(args) -> int:
+    if under_torchrun():
+        return _run_torchrun(args)
+    if args.dp is None:
+        args.dp = 1
+    cfg = _run_config(args, args.dp)
+    from . import jobs
+    from .cluster import Cluster, RankError
+
+    t0 = time.perf_counter()
+    try:
+        with Cluster(world_size=args.dp) as cluster:
+            result = cluster.run(jobs.train, cfg)
+            backend = cluster.backend
+    except (RankError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    info = {"launcher": "cluster", "backend": backend, "wall_s": time.perf_counter() - t0}
+    if args.trace:
+        result.trace.to_chrome(args.trace)
+        info["trace"] = args.trace
+    _report(cfg, result.outputs, info, args.json)
+    return 0
+
+
+def _run_torchrun(args) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if args.dp is None:
+        args.dp = world
+    try:
+        if args.dp != world:
+            raise UsageError(f"--dp={args.dp} must equal torchrun's WORLD_SIZE={world} "
+                             f"(nnodes x nproc-per-node)")
+        cfg = _run_config(args, world)
+    except UsageError as exc:
+        if rank0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("MASTER_ADDR", "") in ("localhost", "127.0.0.1", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # pair sockets on loopback too
+    import torch.distributed as dist
+
+    from .trace import Trace, use_tracer
+    from .train import run
+    from .worker import context_from_env
+
+    t0 = time.perf_counter()
+    ctx = context_from_env()
+    try:
+        with use_tracer(ctx.tracer):
+            out = run(ctx, cfg)
+        mine = {"output": out, "events": ctx.tracer.events if args.trace else []}
+        gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=ctx.group)
+        if ctx.rank == 0:
+            info = {"launcher": "torchrun", "backend": ctx.backend,
+                    "wall_s": time.perf_counter() - t0}
+            if args.trace:
+                Trace.merge(g["events"] for g in gathered).to_chrome(args.trace)
+                info["trace"] = args.trace
+            _report(cfg, [g["output"] for g in gathered], info, args.json)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _report(cfg, outputs: list, info: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(run_json(cfg, outputs, info), default=str))
+    else:
+        render_run(cfg, outputs, info)
+
+
+def _global_losses(outputs: list) -> list:
+    losses = [o["losses"] for o in outputs]
+    return [sum(ls[s] for ls in losses) / len(losses) for s in range(len(losses[0]))]
+
+
+def run_json(cfg, outputs: list, info: dict) -> dict:
+    """Plain-data report of a run: config, global losses, per-rank losses and metrics."""
+    m0 = outputs[0]["metrics"]
+    return {"model": m0["model"], "n_params": m0["n_params"], "world_size": len(outputs),
+            **info, "config": dataclasses.asdict(cfg), "losses": _global_losses(outputs),
+            "ranks": [{"rank": r, "losses": o["losses"], "metrics": o["metrics"]}
+                      for r, o in enumerate(outputs)]}
+
+
+def _console():
+    from rich.console import Console
+
+    # piped output (CI logs, tests) gets a fixed, wide layout instead of 80 columns
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+
+
+def _pair(measured, predicted, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    a = "–" if measured is None else fmt.format(measured / scale)
+    b = "–" if predicted is None else fmt.format(predicted / scale)
+    return f"{a} / {b}"
+
+
+def render_run(cfg, outputs: list, info: dict, console=None) -> None:
+    """Print the header line and one table row per rank (shared by both launchers)."""
+    from rich.table import Table
+
+    console = console or _console()
+    m0 = outputs[0]["metrics"]
+    console.print(f"labkit run · model {m0['model']} · {m0['n_params']:,} params · "
+                  f"world {len(outputs)} · backend {info.get('backend', '?')} · "
+                  f"launcher {info.get('launcher', '?')} · dp_mode {cfg.dp_mode} · "
+                  f"global batch {cfg.global_batch} (micro {cfg.micro} x {cfg.accum_steps}"
+                  f" accum) · steps {cfg.steps}")
+    t = Table(title=None, show_lines=False)
+    t.add_column("rank", justify="right")
+    t.add_column("step ms", justify="right")
+    t.add_column("MFU %", justify="right")
+    for cat in ("params", "grads", "optim"):
+        t.add_column(f"{cat} MiB\nmeas / pred", justify="right")
+    t.add_column("activ. MiB\npeak", justify="right")
+    t.add_column("all-reduce B/step\nmeas / 2(N-1)/N·|θ|·4", justify="right")
+    t.add_column("final loss", justify="right")
+    for r, out in enumerate(outputs):
+        m = out["metrics"]
+        mem = m.get("memory") or {}
+        state, pred = mem.get("model_state", {}), m.get("memory_predicted", {})
+        act = mem.get("peak", {}).get("activations")
+        t.add_row(str(r), f"{m['step_time_s'] * 1e3:.1f}",
+                  "–" if m.get("mfu") is None else f"{100 * m['mfu']:.2f}",
+                  *[_pair(state.get(c), pred.get(c), MiB)
+                    for c in ("parameters", "gradients", "optimizer")],
+                  "–" if act is None else f"{act / MiB:.3f}",
+                  _pair(m.get("comm_bytes_per_step"), m.get("comm_bytes_predicted"),
+                        fmt="{:,.0f}"),
+                  f"{out['losses'][-1]:.4f}")
+    console.print(t)
+    losses = _global_losses(outputs)
+    tail = f" · trace → {info['trace']}" if info.get("trace") else ""
+    console.print(f"global loss (mean over ranks) {losses[0]:.4f} → {losses[-1]:.4f} · "
+                  f"wall {info.get('wall_s', 0.0):.1f} s{tail}")
+
+
+# --------------------------------------------------------------------------- plan
+def cmd_plan_memory(args) -> int:
+    from .plan.memory import GB, GiB, model_state_bytes
+
+    try:
+        out = model_state_bytes(args.params, args.ranks, args.zero,
+                                mixed_precision=not args.fp32)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"params": args.params, "ranks": args.ranks, "zero": args.zero,
+                          "precision": "fp32" if args.fp32 else "mixed", "bytes": out}))
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    prec = "fp32 (4/4/8 B/param)" if args.fp32 else "mixed (2/2/12 B/param)"
+    console.print(f"model state per rank · {args.params:.4g} params · {args.ranks} ranks · "
+                  f"ZeRO-{args.zero} · {prec}")
+    t = Table()
+    for col in ("category", "bytes", "GB", "GiB", "B/param"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+    for cat in ("parameters", "gradients", "optimizer", "total"):
+        v = out[cat]
+        t.add_row(cat, f"{v:,.0f}", f"{v / GB:,.3f}", f"{v / GiB:,.3f}",
+                  f"{v / args.params:.3g}" if args.params else "–")
+    console.print(t)
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``labkit`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words = [a for a in argv if not a.startswith("-")]
+    bench = _load_bench_collectives() if words[:2] == ["bench", "collectives"] else None
+    if words[:2] == ["bench", "collectives"] and bench is None:
+        return _bench_unavailable()
+    args = build_parser(bench).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

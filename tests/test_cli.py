@@ -1,0 +1,133 @@
+"""The ``labkit`` command line: own cluster, bad input, and the same job under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from labkit import cli
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = ["run", "--dp", "2", "--steps", "3", "--model", "tiny"]
+ROW = re.compile(r"^│\s*(\d+)\s*│\s*[\d.]+\s*│", re.M)  # a rank row: rank, step ms, ...
+
+
+def _labkit(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _torchrun(*args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _labkit("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                   "127.0.0.1", "--master-port", str(port), "-m", "labkit", *args)
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster_json():
+    return json.loads(_ok(_labkit("-m", "labkit", *RUN, "--json")))
+
+
+@pytest.mark.distributed
+def test_run_prints_table_with_every_rank(tmp_path):
+    trace = tmp_path / "cli_trace.json"
+    out = _ok(_labkit("-m", "labkit", *RUN, "--trace", str(trace)))
+    assert "model tiny" in out and "world 2" in out and "backend gloo" in out
+    assert ROW.findall(out) == ["0", "1"]
+    assert "2(N-1)/N" in out and "MFU" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert any(e["name"] == "all_reduce" for e in events)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--dp", "3"], ["global_batch=8", "dp=3"]),
+    (["--dp", "2", "--model", "nope"], ["unknown model preset 'nope'", "tiny"]),
+    (["--dp", "2", "--micro-batch", "3"], ["global_batch=8", "2 x 3 = 6"]),
+    (["--dp", "2", "--model", "llama3-8b"], ["planning"]),
+])
+def test_bad_input_exits_2_fast_without_traceback(args, words):
+    t0 = time.perf_counter()
+    proc = _labkit("-m", "labkit", "run", "--steps", "3", *args, timeout=30)
+    assert time.perf_counter() - t0 < 3.0
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    for w in words:
+        assert w in err
+
+
+def test_bad_input_starts_no_process(monkeypatch, capsys):
+    import labkit.cluster
+
+    def boom(*a, **k):
+        raise AssertionError("a Cluster was started for invalid input")
+
+    monkeypatch.setattr(labkit.cluster, "Cluster", boom)
+    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli.main(["run", "--dp", "3", "--model", "tiny"]) == 2
+    assert "global_batch=8" in capsys.readouterr().err
+
+
+def test_plan_memory(capsys):
+    assert cli.main(["plan", "memory", "--params", "7.5e9", "--ranks", "64", "--zero", "3",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes"]["total"] == pytest.approx(1.875e9)  # 16 B/param / 64 (claim C11)
+    assert cli.main(["plan", "memory", "--params", "7.5B"]) == 0
+    assert "120,000,000,000" in capsys.readouterr().out
+    assert cli.main(["plan", "memory", "--params", "1e9", "--ranks", "0"]) == 2
+    assert "n_ranks" in capsys.readouterr().err
+
+
+def test_bench_collectives_is_lazy(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_BENCH_MODULE", "labkit.collectives._not_in_this_build")
+    assert cli.main(["bench", "collectives", "--rounds", "1"]) == 2
+    assert "not available in this build" in capsys.readouterr().err
+    monkeypatch.undo()
+    bench = cli._load_bench_collectives()
+    if bench is None:
+        pytest.skip("labkit.collectives.bench is not in this build")
+    with pytest.raises(SystemExit) as info:  # its own options, through our subcommand
+        cli.main(["bench", "collectives", "--help"])
+    assert info.value.code == 0 and "labkit bench collectives" in capsys.readouterr().out
+
+
+def test_torchrun_detection():
+    assert cli.under_torchrun({"TORCHELASTIC_RUN_ID": "x"})
+    assert cli.under_torchrun({"LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    assert not cli.under_torchrun({"LOCAL_RANK": "0"}) and not cli.under_torchrun({})
+
+
+@pytest.mark.distributed
+def test_torchrun_prints_table_once_and_matches_cluster(cluster_json):
+    out = _ok(_torchrun(*RUN))
+    assert out.count("labkit run · model tiny") == 1 and "launcher torchrun" in out
+    assert ROW.findall(out) == ["0", "1"]
+    theirs = json.loads(_ok(_torchrun(*RUN, "--json")))
+    assert theirs["launcher"] == "torchrun" and theirs["world_size"] == 2
+    ours = cluster_json
+    assert ours["launcher"] == "cluster"
+    for a, b in zip(ours["ranks"], theirs["ranks"]):
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)
+    assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+    assert [r["metrics"]["comm_bytes_per_step"] for r in theirs["ranks"]] == \
+        [r["metrics"]["comm_bytes_predicted"] for r in theirs["ranks"]]
