@@ -226,8 +226,11 @@ def send(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,
 def recv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None,
          tag: int = 0) -> None:
     """Blocking receive into ``tensor`` from global rank ``src``."""
-    _run("recv", P2P, lambda a: dist.recv(tensor, src, group, tag), group=group, axis=axis,
-         sent=0, recv=nbytes(tensor), peers=(src,), async_op=False)
+    def blocking_recv(_async_op):
+        dist.recv(tensor, src, group, tag)  # returns the sender's rank, not a work object
+
+    _run("recv", P2P, blocking_recv, group=group, axis=axis, sent=0, recv=nbytes(tensor),
+         peers=(src,), async_op=False)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,

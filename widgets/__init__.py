@@ -1,6 +1,8 @@
 """labkit_widgets: ipywidgets + plotly views of labkit runs.
 
 * :class:`TimelineView` — per-rank compute/communication timeline of a ``RunResult``.
+* :class:`CheckpointView` — an activation-checkpointing schedule, step by step, with its
+  memory curve.
 * :class:`Explorer` — data-parallel knobs that re-run training on a warm ``Cluster`` and
   show measured memory, MFU and communication beside the formulas.
 
@@ -9,7 +11,8 @@ Each view is an ``ipywidgets.VBox`` around plotly ``FigureWidget``\\ s, updated 
 ``.static()`` displays it (for nbval and saved notebooks). Dependencies point one way:
 these widgets import labkit, labkit never imports them.
 """
+from .checkpoint_view import CheckpointView
 from .explorer import Explorer
 from .timeline import TimelineView
 
-__all__ = ["Explorer", "TimelineView"]
+__all__ = ["CheckpointView", "Explorer", "TimelineView"]

@@ -18,13 +18,18 @@ MFU above 30 % is good, above 40 % excellent (claim C22).
 
 The classic mistake is step 2 with one device's peak: a job on 16 GPUs that did 2.84 % of
 what the cluster could do looks like 45.4 %. ``n_devices`` is therefore a required argument.
+
+Why a newer GPU can show a *lower* MFU (claim C23): from A100 to H100 the bf16 peak grew 3.1×
+but memory bandwidth only 2.1× (:func:`hardware_generation`). Work that streams memory
+(element-wise ops, norms, optimizer) speeds up by the bandwidth ratio, matmuls by the FLOP
+ratio, so the memory-bound share of the step grows (:func:`roofline_mfu`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["MFUReport", "mfu", "mfu_rating"]
+__all__ = ["MFUReport", "mfu", "mfu_rating", "hardware_generation", "roofline_mfu"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,45 @@ def mfu_rating(x: float) -> str:
     if x > 0.30:
         return "good"
     return "low"
+
+
+def hardware_generation(old: str, new: str, dtype: str = "bf16") -> dict:
+    """Compare two GPUs of :data:`labkit.measure.peak.GPU_SPECS` (claim C23 as data).
+
+    Returns ``{"flops_ratio", "bandwidth_ratio", "ridge_old", "ridge_new"}``: peak and
+    bandwidth of ``new`` over ``old``, and each device's ridge point ``peak / bandwidth`` in
+    FLOP per byte (a kernel doing fewer FLOPs per byte moved is memory-bound there).
+    ``hardware_generation("A100-SXM4-40GB", "H100-SXM")`` → 3.17×, 2.16×, 200.6, 295.2.
+
+    Raises:
+        ValueError: a name the table does not know, or no ``dtype`` peak (never a guess).
+    """
+    from .peak import gpu_memory_bandwidth, gpu_peak_flops
+
+    vals = {}
+    for tag, name in (("old", old), ("new", new)):
+        peak, bw = gpu_peak_flops(name, dtype), gpu_memory_bandwidth(name)
+        if peak is None or bw is None:
+            raise ValueError(f"no {dtype} peak/bandwidth for GPU {name!r}: pass a table key such "
+                             "as 'A100-SXM4-40GB' or 'H100-SXM'")
+        vals[tag] = (peak, bw)
+    (p0, b0), (p1, b1) = vals["old"], vals["new"]
+    return {"flops_ratio": p1 / p0, "bandwidth_ratio": b1 / b0, "ridge_old": p0 / b0,
+            "ridge_new": p1 / b1}
+
+
+def roofline_mfu(model_flops: float, bytes_moved: float, peak_flops: float,
+                 bandwidth: float) -> float:
+    """Best-case MFU of a step whose matmuls run at peak and whose memory-bound work (moving
+    ``bytes_moved`` bytes, not overlapped) runs at full bandwidth:
+    ``(F / peak) / (F / peak + M / bandwidth)``. FLOP, bytes, FLOP/s, bytes/s.
+
+    Raises:
+        ValueError: non-positive peak or bandwidth, or negative work.
+    """
+    if peak_flops <= 0 or bandwidth <= 0 or model_flops < 0 or bytes_moved < 0:
+        raise ValueError(f"need peak, bandwidth > 0 and work >= 0, got {peak_flops}, "
+                         f"{bandwidth}, {model_flops}, {bytes_moved}")
+    compute = model_flops / peak_flops
+    total = compute + bytes_moved / bandwidth
+    return compute / total if total else 0.0

@@ -30,4 +30,8 @@ def build_model(model_cfg: ModelConfig, device="cpu", seed: int = 0,
     model_cfg.validate()
     torch.manual_seed(seed)
     cls = ViT if model_cfg.kind == "vit" else GPT
-    return cls(model_cfg, attention=attention, device=device)
+    if torch.device(device).type in ("cpu", "meta"):
+        return cls(model_cfg, attention=attention, device=device)
+    # initialise on the CPU generator, then move: the same seed must give the same weights
+    # on every device, or a GPU run could never match the CPU reference
+    return cls(model_cfg, attention=attention, device="cpu").to(device)
