@@ -229,7 +229,10 @@ class RunConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
-        if self.global_batch < 1 or self.global_batch % (p.dp * self.micro):
+        if self.global_batch < 1 or self.global_batch % p.dp:
+            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={p.dp}: "
+                             "every data-parallel rank needs the same number of samples")
+        if self.global_batch % (p.dp * self.micro):
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "
                              f"dp x micro_batch = {p.dp} x {self.micro} = {p.dp * self.micro}")
         if self.dp_mode not in ("ddp", "naive", "torch"):
