@@ -161,6 +161,10 @@ class RunConfig:
         count_flops: count matmul FLOPs with torch's FLOP counter (one extra step).
         timeout_s: seconds before a hung job is cancelled.
         return_state: rank 0 returns the final parameters (for parity checks).
+        checkpoint: activation-checkpointing policy for the transformer blocks: ``"none"``,
+            ``"full"``, ``"every"`` (segments of ``checkpoint_every`` blocks) or
+            ``"selective"`` (:mod:`labkit.parallel.checkpoint_policy`).
+        checkpoint_every: blocks per segment for ``checkpoint="every"``.
     """
 
     model: ModelConfig | str = "tiny"
@@ -179,6 +183,8 @@ class RunConfig:
     count_flops: bool = True
     timeout_s: float = 120.0
     return_state: bool = False
+    checkpoint: str = "none"
+    checkpoint_every: int = 1
 
     @property
     def model_config(self) -> ModelConfig:
@@ -244,9 +250,17 @@ class RunConfig:
         if (self.dataset == "digits") != (mc.kind == "vit"):
             raise ValueError(f"dataset={self.dataset!r} does not fit model kind {mc.kind!r} "
                              "(text goes with gpt, digits with vit)")
+        if self.checkpoint not in CHECKPOINT_POLICIES:
+            raise ValueError(f"unknown checkpoint policy {self.checkpoint!r}; known: "
+                             f"{', '.join(CHECKPOINT_POLICIES)}")
+        if self.checkpoint == "every" and not 1 <= self.checkpoint_every <= mc.n_layers:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must satisfy 1 <= C <= "
+                             f"n_layers={mc.n_layers}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         return self
 
 
+#: mirrors labkit.parallel.checkpoint_policy.POLICIES (kept here so config needs no torch)
+CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}

@@ -68,6 +68,7 @@ def run(ctx, cfg: RunConfig) -> dict:
     dp, rank, device = cfg.parallel.dp, ctx.rank, ctx.device
     mc = cfg.model_config
     model = build_model(mc, device=device, seed=cfg.seed)
+    _checkpoint(model, cfg)
     n_params = sum(p.numel() for _, p in unique_parameters(model))
     if cfg.dp_mode == "torch":
         wrapped = torch_ddp(model, ctx.group, cfg.bucket_mb, cfg.find_unused)
@@ -125,7 +126,7 @@ def run(ctx, cfg: RunConfig) -> dict:
         "rank": rank, "dp": dp, "micro_batch": micro, "accum_steps": accum,
         "dp_mode": cfg.dp_mode, "bucket_mb": cfg.bucket_mb, "model": mc.name,
         "n_params": n_params, "tokens_per_step": cfg.global_batch * mc.seq_len,
-        "step_time_s": step_time, "step_times": times,
+        "step_time_s": step_time, "step_times": times, "checkpoint": cfg.checkpoint,
         "bucket_bytes": getattr(wrapped, "bucket_bytes", 0),
     }
     elem = next(model.parameters()).element_size()
@@ -162,9 +163,32 @@ def _memory_metrics(report, bucket_bytes: int) -> dict:
             "allocator_peak": report.allocator_peak}
 
 
+def _checkpoint(model, cfg: RunConfig) -> None:
+    if cfg.checkpoint != "none":
+        from .parallel.checkpoint_policy import apply_checkpoint_policy
+
+        apply_checkpoint_policy(model, cfg.checkpoint, cfg.checkpoint_every)
+
+
+def _count(ctx, cfg: RunConfig, policy: bool) -> int:
+    """FLOPs of one microbatch's forward+backward on a fresh copy of the model, with or
+    without the checkpoint policy (cached per shape): model FLOPs vs hardware FLOPs."""
+    mc = cfg.model_config
+    key = ("flops", mc, cfg.micro, str(ctx.device), cfg.checkpoint if policy else "none",
+           cfg.checkpoint_every)
+    if key not in ctx.cache:
+        ref = build_model(mc, device=ctx.device, seed=cfg.seed)
+        if policy:
+            _checkpoint(ref, cfg)
+        x, y = make_batch(cfg.replace(global_batch=cfg.micro, parallel=cfg.parallel.__class__()), 0)
+        ctx.cache[key] = count_flops(lambda: ref(x.to(ctx.device), y.to(ctx.device)).backward()).total
+    return ctx.cache[key]
+
+
 def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> dict:
     mc = cfg.model_config
-    out: dict = {"flops_per_step": None, "peak_flops": None, "mfu": None, "hfu": None}
+    out: dict = {"flops_per_step": None, "hardware_flops_per_step": None, "peak_flops": None,
+                 "mfu": None, "hfu": None}
     tokens_local = cfg.local_batch * mc.seq_len
     analytic = None
     if mc.kind == "gpt":
@@ -172,14 +196,9 @@ def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> 
     out["flops_analytic"] = analytic
     if not cfg.count_flops:
         return out
-    key = ("flops", mc, cfg.micro, str(ctx.device))
-    if key not in ctx.cache:
-        ref = build_model(mc, device=ctx.device, seed=cfg.seed)
-        x, y = make_batch(cfg.replace(global_batch=cfg.micro, parallel=cfg.parallel.__class__()), 0)
-        ctx.cache[key] = count_flops(lambda: ref(x.to(ctx.device), y.to(ctx.device)).backward()).total
-        del ref
-    flops = ctx.cache[key] * accum
-    out["flops_per_step"] = float(flops)
+    flops = _count(ctx, cfg, policy=False) * accum
+    hw_flops = _count(ctx, cfg, policy=True) * accum if cfg.checkpoint != "none" else flops
+    out["flops_per_step"], out["hardware_flops_per_step"] = float(flops), float(hw_flops)
     dtype = next(model.parameters()).dtype  # divide by the peak of the dtype that ran
     peak_key = ("peak", str(ctx.device), ctx.world_size, dtype)
     if peak_key not in ctx.cache:
@@ -192,7 +211,7 @@ def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> 
     peak = ctx.cache[peak_key]
     out["peak_flops"] = peak
     if peak:
-        rep = mfu_report(flops, step_time, peak, 1)
+        rep = mfu_report(flops, step_time, peak, 1, hardware_flops_per_step=hw_flops)
         out["mfu"], out["hfu"] = rep.mfu, rep.hfu
     return out
 
@@ -200,7 +219,8 @@ def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> 
 def reference(cfg: RunConfig, device: str = "cpu") -> dict:
     """Single-process training on the same global batches: ``{"losses", "state"}``.
 
-    No communication, no wrapper: the ground truth every parallel run must match.
+    No communication, no wrapper, no checkpointing: the ground truth every parallel (and
+    recomputing) run must match.
     """
     mc = cfg.model_config
     model = build_model(mc, device=device, seed=cfg.seed)

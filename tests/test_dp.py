@@ -128,3 +128,18 @@ def test_vit_on_digits_parity(cluster4):
     ref = reference(cfg)
     assert _global_losses(r, 4) == pytest.approx(ref["losses"], abs=TOL)
     assert (r.outputs[0]["state"] - ref["state"]).abs().max().item() < TOL
+
+
+def test_checkpointed_dp_matches_plain_reference_and_hfu_exceeds_mfu(cluster4):
+    """Recomputation changes the FLOPs run (HFU > MFU), not the result."""
+    cfg = RunConfig(steps=3, global_batch=8, return_state=True, measure_memory=False,
+                    checkpoint="full").replace(dp=2)
+    r = cluster4.run(jobs.train, cfg)
+    assert (r.outputs[0]["state"] - _reference(cfg)["state"]).abs().max().item() < TOL
+    m = r.metrics[0]
+    assert m["hardware_flops_per_step"] > m["flops_per_step"]
+    assert m["hfu"] > m["mfu"]
+    with pytest.raises(ValueError, match="checkpoint policy 'sometimes'"):
+        cfg.replace(checkpoint="sometimes").validate(4)
+    with pytest.raises(ValueError, match="checkpoint_every=3 .* n_layers=2"):
+        cfg.replace(checkpoint="every", checkpoint_every=3).validate(4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+import ipywidgets as W
 import pytest
 import torch
 
@@ -163,7 +164,8 @@ def test_explorer_fake_headless():
     fake = FakeCluster(on_run=lambda cfg: busy.append(ex.controls["dp"].disabled))
     ex = Explorer(fake, RunConfig(global_batch=8, steps=2), job=jobs.train, run_now=False)
     assert list(ex.controls["dp"].options) == [1, 2]
-    assert all(not c.continuous_update for k, c in ex.controls.items() if k != "dp_mode")
+    assert all(not c.continuous_update for k, c in ex.controls.items()
+               if isinstance(c, W.SelectionSlider))
     assert ex.set(dp=1) is not None
     mem1 = _memory_data(ex)
     assert list(ex.controls["micro_batch"].options) == [1, 2, 4, 8]
@@ -236,3 +238,20 @@ def test_explorer_real_train(cluster):
     assert len(_traces(ex.figures["timeline"])["backward"].x) > 0
     assert 0 < ex.last_latency_s < 60
     print(f"Explorer tiny-model re-run latency: {ex.last_latency_s:.3f} s")
+
+
+def test_explorer_checkpoint_policy_reruns(cluster):
+    """The recompute control re-runs with the policy: HFU rises above MFU, activations fall."""
+    from labkit_widgets import Explorer
+
+    ex = Explorer(cluster, RunConfig(steps=3, global_batch=8).replace(dp=2), run_now=False)
+    ex.set(checkpoint="none")
+    plain = ex.last_result.metrics[0]
+    ex.set(checkpoint="full")
+    assert ex.last_error is None, ex.last_error
+    full = ex.last_result.metrics[0]
+    assert ex.history[-1]["checkpoint"] == "full"
+    assert full["hfu"] > full["mfu"] and plain["hfu"] == plain["mfu"]
+    assert full["memory"]["peak"]["activations"] < plain["memory"]["peak"]["activations"]
+    ex.set(checkpoint="sometimes")
+    assert "sometimes" in ex.status.value and ex.last_error is not None

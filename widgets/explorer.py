@@ -33,12 +33,15 @@ __all__ = ["Explorer", "BUCKET_OPTIONS_MB", "DP_MODES"]
 #: the tiny model's parameters are ~0.4 MB, so buckets below 1 MiB are where things happen
 BUCKET_OPTIONS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
 DP_MODES = ("ddp", "naive", "torch")
-CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode")
+CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode", "checkpoint")
+#: activation-checkpointing policies offered (``every`` needs a segment size: use ``set``)
+CHECKPOINT_OPTIONS = ("none", "full", "selective")
 
 _HISTORY_COLUMNS = [
     ("#", "run", str), ("dp", "dp", str), ("micro", "micro_batch", str),
-    ("bucket MiB", "bucket_mb", lambda v: S.fmt(v, "g")), ("mode", "dp_mode", str),
+    ("bucket MiB", "bucket_mb", lambda v: S.fmt(v, "g")), ("mode", "dp_mode", str), ("recompute", "checkpoint", str),
     ("step ms", "step_ms", lambda v: S.fmt(v, ".1f")), ("MFU %", "mfu_pct", lambda v: S.fmt(v, ".1f")),
+    ("HFU %", "hfu_pct", lambda v: S.fmt(v, ".1f")),
     ("peak MiB", "peak_mib", lambda v: S.fmt(v, ".2f")), ("bytes/step", "comm_bytes", S.fmt_bytes),
     ("loss", "loss", lambda v: S.fmt(v, ".4f")), ("run s", "wall_s", lambda v: S.fmt(v, ".2f")),
     ("latency s", "latency_s", lambda v: S.fmt(v, ".2f"))]
@@ -50,8 +53,10 @@ def summarize(result) -> dict:
     cfg = result.config
     last = [o["losses"][-1] for o in result.outputs if isinstance(o, dict) and o.get("losses")]
     mfus = [m.get("mfu") for m in ms]
+    hfus = [m.get("hfu") for m in ms]
     return {"dp": cfg.parallel.dp, "micro_batch": cfg.micro, "bucket_mb": cfg.bucket_mb,
-            "dp_mode": cfg.dp_mode,
+            "dp_mode": cfg.dp_mode, "checkpoint": getattr(cfg, "checkpoint", "none"),
+            "hfu_pct": None if S.mean(hfus) is None else 100 * S.mean(hfus),
             "step_ms": max((m.get("step_time_s") or 0.0 for m in ms), default=0.0) * 1e3,
             "mfu_pct": None if S.mean(mfus) is None else 100 * S.mean(mfus),
             "peak_mib": S.mib(max((m.get("memory", {}).get("peak_total") or 0 for m in ms),
@@ -107,7 +112,14 @@ class Explorer(W.VBox):
                                            description="bucket MiB", **opts),
             "dp_mode": W.ToggleButtons(options=list(DP_MODES), value=base.dp_mode
                                        if base.dp_mode in DP_MODES else "ddp",
-                                       description="sync", style={"button_width": "60px"})}
+                                       description="sync", style={"button_width": "60px"}),
+            "checkpoint": W.ToggleButtons(
+                options=sorted(set(CHECKPOINT_OPTIONS) | {base.checkpoint},
+                               key=("none", "full", "every", "selective").index),
+                value=base.checkpoint, description="recompute",
+                tooltips=["store every activation", "recompute each block in backward",
+                          "recompute attention and element-wise ops, keep matmul outputs"],
+                style={"button_width": "72px"})}
         self._sync_micro(base.micro)
         self.status = W.HTML(S.status_html("ready"))
         self.history_html = W.HTML(S.table_html([], _HISTORY_COLUMNS))
@@ -119,7 +131,8 @@ class Explorer(W.VBox):
             self.figures["timeline"] = self.timeline.fig
         for c in self.controls.values():
             c.observe(self._on_change, names="value")
-        self.children = [W.HBox(list(self.controls.values())[:3]), self.controls["dp_mode"],
+        self.children = [W.HBox(list(self.controls.values())[:3]),
+                         W.HBox([self.controls["dp_mode"], self.controls["checkpoint"]]),
                          self.status,
                          W.HBox([self.figures["memory"], self.figures["mfu"]]),
                          self.figures["comm"], *([self.timeline] if self.timeline else []),
@@ -151,7 +164,8 @@ class Explorer(W.VBox):
             self._quiet = quiet
 
     def set(self, **changes) -> Optional[object]:
-        """Change controls (``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``) and any other
+        """Change controls (``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``, ``checkpoint``)
+        and any other
         ``RunConfig`` field (``global_batch=``, ``steps=`` … go into the base config), then
         re-run once — the path a slider change takes. An invalid value is reported in the
         status line (nothing changes, nothing raises). Returns the ``RunResult`` or None."""
@@ -175,7 +189,7 @@ class Explorer(W.VBox):
             if "bucket_mb" in ctrl and float(ctrl["bucket_mb"]) not in self.controls["bucket_mb"].options:
                 bucket = self.controls["bucket_mb"]
                 bucket.options = sorted(set(bucket.options) | {float(ctrl["bucket_mb"])})
-            for k in ("dp", "bucket_mb", "dp_mode"):
+            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint"):
                 if k in ctrl:
                     self.controls[k].value = float(ctrl[k]) if k == "bucket_mb" else ctrl[k]
             self._sync_micro(ctrl.get("micro_batch"))
@@ -260,8 +274,9 @@ class Explorer(W.VBox):
 
 
 def _describe(cfg: RunConfig) -> str:
+    ckpt = "" if cfg.checkpoint == "none" else f" recompute={cfg.checkpoint}"
     return (f"dp={cfg.parallel.dp} micro={cfg.micro} bucket={cfg.bucket_mb:g} MiB "
-            f"mode={cfg.dp_mode}")
+            f"mode={cfg.dp_mode}{ckpt}")
 
 
 def _memory_figure() -> go.Figure:

@@ -57,7 +57,7 @@ from typing import Optional
 
 __all__ = ["STRATEGIES", "BIG_O", "Action", "Schedule", "Counts", "SimStep", "SimResult",
            "make_schedule", "formula_counts", "simulate", "sqrt_every", "check_every",
-           # executor and GPT policies (labkit.parallel.checkpoint_exec), re-exported
+           # executor (checkpoint_exec) and GPT policies (checkpoint_policy), re-exported
            "run_schedule", "ExecResult", "ChainStack", "SavedTensorTracker",
            "apply_checkpoint_policy", "POLICIES", "keep_matmuls_policy"]
 
@@ -311,9 +311,12 @@ def _unit_key(label: str) -> tuple:
 
 
 def __getattr__(name: str):  # lazy re-exports: the executor imports torch, this module not
-    if name in ("run_schedule", "ExecResult", "ChainStack", "SavedTensorTracker",
-                "apply_checkpoint_policy", "POLICIES", "keep_matmuls_policy"):
+    if name in ("run_schedule", "ExecResult", "ChainStack", "SavedTensorTracker"):
         from . import checkpoint_exec
 
         return getattr(checkpoint_exec, name)
+    if name in ("apply_checkpoint_policy", "POLICIES", "keep_matmuls_policy"):
+        from . import checkpoint_policy
+
+        return getattr(checkpoint_policy, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

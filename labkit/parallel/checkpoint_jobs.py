@@ -57,7 +57,8 @@ from ..models import build_model
 from ..models.data import text_batch
 from ..models.gpt import GPT, Block, rope_tables
 from ..trace import region
-from .checkpoint_exec import POLICIES, SavedTensorTracker, apply_checkpoint_policy
+from .checkpoint_exec import SavedTensorTracker
+from .checkpoint_policy import POLICIES, apply_checkpoint_policy
 
 __all__ = ["TERMS", "korthikanti_layer_bytes", "adjusted_layer_bytes", "layer_terms",
            "measure_layer_activations", "LiveActivations", "CheckpointRunConfig",
