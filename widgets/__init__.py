@@ -1,5 +1,7 @@
 """labkit_widgets: ipywidgets + plotly views of labkit runs.
 
+* :class:`PipelineView` — a pipeline run's per-rank Gantt chart and bubbles, beside the
+  simulated schedule.
 * :class:`TimelineView` — per-rank compute/communication timeline of a ``RunResult``.
 * :class:`CheckpointView` — an activation-checkpointing schedule, step by step, with its
   memory curve.
@@ -13,6 +15,7 @@ these widgets import labkit, labkit never imports them.
 """
 from .checkpoint_view import CheckpointView
 from .explorer import Explorer
+from .pipeline_view import PipelineView
 from .timeline import TimelineView
 
-__all__ = ["CheckpointView", "Explorer", "TimelineView"]
+__all__ = ["CheckpointView", "Explorer", "PipelineView", "TimelineView"]

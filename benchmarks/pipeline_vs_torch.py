@@ -1,0 +1,75 @@
+"""labkit's pipeline executor vs torch.distributed.pipelining, side by side in one run.
+
+Same stages, data, optimizer and ranks; GPipe and 1F1B; the runs alternate (labkit, torch,
+labkit, …) so drift on a shared machine hits both. A step's time is the slowest rank's
+(every step starts at a barrier); a run's time is the median of its steady steps; the
+ratio is median(labkit) / median(torch) over the repeats. Target: ratio <= 1.1.
+
+    python benchmarks/pipeline_vs_torch.py [--pp 4 --microbatches 8 --repeats 3]
+
+Prints ``RESULT pipeline_vs_torch schedule=... labkit_ms=... torch_ms=... ratio=...``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import labkit
+from labkit.config import ModelConfig
+from labkit.parallel.pipeline import jobs as pj
+from labkit.parallel.pipeline.config import PipelineConfig
+
+
+def step_time(result) -> float:
+    """Median over steady steps of the slowest rank's step time (seconds)."""
+    per_rank = [m["step_times"] for m in result.metrics]
+    steps = len(per_rank[0])
+    slowest = [max(t[s] for t in per_rank) for s in range(1, steps)]
+    return statistics.median(slowest)
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--schedules", default="gpipe,1f1b")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    mc = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=4, seq_len=args.seq,
+                     name="pp-bench")
+    out = []
+    with labkit.Cluster(args.pp, backend="gloo", device="cpu") as cluster:
+        for name in args.schedules.split(","):
+            cfg = PipelineConfig(model=mc, pp=args.pp, microbatches=args.microbatches,
+                                 schedule=name, global_batch=args.global_batch,
+                                 steps=args.steps, measure_memory=False, timeout_s=600)
+            cluster.run(pj.pipeline_train, cfg.replace(steps=2))  # warm both paths
+            cluster.run(pj.torch_pipeline_train, cfg.replace(steps=2, impl="torch"))
+            ours, theirs, same = [], [], True
+            for _ in range(args.repeats):
+                a = cluster.run(pj.pipeline_train, cfg)
+                b = cluster.run(pj.torch_pipeline_train, cfg.replace(impl="torch"))
+                ours.append(step_time(a))
+                theirs.append(step_time(b))
+                same &= max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-5
+            lk, tt = statistics.median(ours), statistics.median(theirs)
+            line = (f"RESULT pipeline_vs_torch schedule={name} pp={args.pp} "
+                    f"microbatches={args.microbatches} labkit_ms={lk * 1e3:.2f} "
+                    f"torch_ms={tt * 1e3:.2f} ratio={lk / tt:.3f} same_losses={same} "
+                    f"target<=1.1 {'PASS' if lk / tt <= 1.1 else 'FAIL'}")
+            print(line, flush=True)
+            out.append({"schedule": name, "labkit_s": lk, "torch_s": tt, "ratio": lk / tt,
+                        "same_losses": same})
+    return out
+
+
+if __name__ == "__main__":
+    main()

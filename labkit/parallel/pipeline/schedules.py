@@ -1,0 +1,270 @@
+"""Pipeline schedules as data: pure generators of per-rank action lists.
+
+A schedule for ``P`` ranks, ``M`` microbatches and ``V`` stages per rank (``P·V`` stages in
+all) is, for each rank, the ordered list of :class:`Action` it runs in one pipeline flush.
+The same list feeds three consumers: :func:`labkit.parallel.pipeline.simulate.simulate`
+(costs → timeline, bubble, memory), the executor (real model, real send/recv) and the
+widget (Gantt chart).
+
+Action kinds: ``F`` forward; ``BW`` full backward (input and weight gradients in one pass);
+``B`` input-gradient backward and ``W`` weight-gradient backward (the zero-bubble split);
+``SEND_F``/``RECV_F`` an activation and ``SEND_B``/``RECV_B`` a gradient crossing ranks
+(added by :func:`with_comms`). String form ``{stage}{kind}{microbatch}``: ``1F0``, ``2B3``,
+``0W1``, ``3BW2``, ``1SEND_F0``.
+
+Sources: GPipe — Huang et al. 2019; 1F1B — Narayanan et al. 2019 (PipeDream-Flush) and
+Narayanan et al. 2021 (Megatron-LM) §2.2.1; interleaved 1F1B — Narayanan et al. 2021
+§2.2.2; ZB-H1 and ZB-V — Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3 and §6.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .actions import COMM_KINDS, COMPUTE_KINDS, Action, Schedule
+
+__all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_v",
+           "build", "SCHEDULES", "STAGES_PER_RANK", "with_comms", "COMPUTE_KINDS", "COMM_KINDS"]
+
+
+def _check(p: int, m: int, v: int = 1) -> None:
+    for name, val in (("pp", p), ("microbatches", m), ("virtual_stages", v)):
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (Huang et al. 2019, Fig. 2c). Every rank holds all
+    ``M`` microbatches' activations at the turn."""
+    _check(p, m)
+    acts = tuple(tuple([Action(r, "F", i) for i in range(m)]
+                       + [Action(r, "BW", i) for i in range(m)]) for r in range(p))
+    return Schedule("gpipe", p, m, 1, "loop", acts, warmup=tuple([m] * p))
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021 §2.2.1, Fig. 4 top): rank ``r`` runs
+    ``min(P−1−r, M)`` warm-up forwards, then alternates one forward and one backward, then
+    drains the remaining backwards. At most ``P−r`` microbatches in flight on rank ``r``."""
+    _check(p, m)
+    out, warm = [], []
+    for r in range(p):
+        w = min(p - 1 - r, m)
+        seq = [Action(r, "F", i) for i in range(w)]
+        for i in range(m - w):
+            seq += [Action(r, "F", w + i), Action(r, "BW", i)]
+        seq += [Action(r, "BW", i) for i in range(m - w, m)]
+        out.append(tuple(seq))
+        warm.append(w)
+    return Schedule("1f1b", p, m, 1, "loop", tuple(out), warmup=tuple(warm))
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021 §2.2.2, Fig. 4 bottom): rank ``r`` holds the
+    ``V`` stages ``r, r+P, …``; microbatches go through in groups of ``g = min(P, M)``, chunk
+    by chunk. Warm-up forwards ``min((V−1)·g + 2·(P−1−r), M·V)`` (Megatron-LM's count),
+    then 1F1B over (chunk, microbatch) units. The bubble shrinks by ``V``.
+
+    Raises:
+        ValueError: ``V < 2``, or ``M`` above ``P`` and not a multiple of it.
+    """
+    _check(p, m, v)
+    if v < 2:
+        raise ValueError(f"interleaved 1F1B needs virtual_stages >= 2, got {v}")
+    if m > p and m % p:
+        raise ValueError(f"interleaved 1F1B needs microbatches={m} to be <= pp={p} or a "
+                         f"multiple of it (Megatron-LM's requirement)")
+    g = min(p, m)
+
+    def unit(k: int, backward: bool) -> tuple:
+        chunk = (k // g) % v
+        mb = (k // (g * v)) * g + k % g
+        return (v - 1 - chunk if backward else chunk), mb
+
+    out, warm = [], []
+    total = m * v
+    for r in range(p):
+        w = min((v - 1) * g + 2 * (p - 1 - r), total)
+        seq = []
+        f = b = 0
+        for _ in range(w):
+            c, mb = unit(f, False)
+            seq.append(Action(c * p + r, "F", mb))
+            f += 1
+        while f < total:
+            c, mb = unit(f, False)
+            seq.append(Action(c * p + r, "F", mb))
+            f += 1
+            c, mb = unit(b, True)
+            seq.append(Action(c * p + r, "BW", mb))
+            b += 1
+        while b < total:
+            c, mb = unit(b, True)
+            seq.append(Action(c * p + r, "BW", mb))
+            b += 1
+        out.append(tuple(seq))
+        warm.append(w)
+    return Schedule("interleaved", p, m, v, "loop", tuple(out), warmup=tuple(warm))
+
+
+def _greedy(name: str, p: int, m: int, v: int, style: str, caps: list) -> Schedule:
+    """List-schedule F/B/W with unit costs: a free rank runs a ready ``B`` first (it is on
+    the critical path), else a ready ``F`` if fewer than ``caps[r]`` stage-microbatches are
+    in flight on it (activation memory bound), else a pending ``W`` (which can move because
+    nothing downstream waits for it — Qi et al. 2023 §2). Higher stages win ties. The
+    per-rank order of the resulting feasible timeline is the schedule, so it cannot
+    deadlock under any costs."""
+    sched = Schedule(name, p, m, v, style, ())
+    n = sched.n_stages
+    local = [sched.stages_of(r) for r in range(p)]
+    fdone, bdone = {}, {}
+    nf, nb = [0] * n, [0] * n
+    pend_w: list = [[] for _ in range(p)]
+    inflight, free = [0] * p, [0] * p
+    seqs: list = [[] for _ in range(p)]
+    t, left = 0, 3 * n * m
+    while left:
+        for r in range(p):
+            if free[r] > t:
+                continue
+            pick = None
+            for s in sorted(local[r], reverse=True):  # B ready?
+                i = nb[s]
+                if i < nf[s] and fdone.get((s, i), 1e9) <= t and (
+                        s == n - 1 or bdone.get((s + 1, i), 1e9) <= t):
+                    pick = Action(s, "B", i)
+                    break
+            if pick is None and inflight[r] < caps[r]:
+                for s in sorted(local[r], reverse=True):
+                    i = nf[s]
+                    if i < m and (s == 0 or fdone.get((s - 1, i), 1e9) <= t):
+                        pick = Action(s, "F", i)
+                        break
+            if pick is None and pend_w[r]:
+                pick = pend_w[r].pop(0)
+            if pick is None:
+                continue
+            seqs[r].append(pick)
+            free[r] = t + 1
+            left -= 1
+            s, i = pick.stage, pick.microbatch
+            if pick.kind == "F":
+                nf[s] += 1
+                inflight[r] += 1
+                fdone[(s, i)] = t + 1
+            elif pick.kind == "B":
+                nb[s] += 1
+                bdone[(s, i)] = t + 1
+                pend_w[r].append(Action(s, "W", i))
+            else:
+                inflight[r] -= 1
+        t += 1
+        if t > 10 * n * m + 10 * p:  # cannot happen for caps >= 1; guard against a bug
+            raise RuntimeError(f"greedy schedule {name} did not finish (P={p}, M={m})")
+    return Schedule(name, p, m, v, style, tuple(tuple(s) for s in seqs))
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023 §3.1, Fig. 3 top): 1F1B with backward split into ``B`` and
+    ``W``. Rank ``r`` runs 1F1B's ``P−1−r`` warm-up forwards, then ``F, B`` pairs, but
+    starts its ``W`` passes ``r`` microbatches late, so in the cool-down the ``B`` chain runs
+    at ``T_B`` per hop while the held-back ``W`` passes fill what would be idle time. Every
+    rank holds at most ``P`` microbatches (1F1B's peak, on its rank 0). With
+    ``T_F = T_B = T_W`` the idle per rank is ``(P−1)·(T_F + T_B − T_W)``, a third of 1F1B's
+    ``(P−1)·(T_F + T_B + T_W)``."""
+    _check(p, m)
+    out, warm = [], []
+    for r in range(p):
+        w = min(p - 1 - r, m)
+        seq = [Action(r, "F", i) for i in range(w)]
+        nw = 0
+        for i in range(m):
+            if w + i < m:
+                seq.append(Action(r, "F", w + i))
+            seq.append(Action(r, "B", i))
+            if i >= r:
+                seq.append(Action(r, "W", nw))
+                nw += 1
+        seq += [Action(r, "W", k) for k in range(nw, m)]
+        out.append(tuple(seq))
+        warm.append(w)
+    return Schedule("zb-h1", p, m, 1, "loop", tuple(out), warmup=tuple(warm))
+
+
+def zb_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2023 §6): two stages per rank in a V — rank ``r`` holds stages ``r``
+    and ``2P−1−r``, so the loss is computed on rank 0, next to the embedding — with split
+    backward and at most ``2P`` half-size stage activations per rank (1F1B's peak memory)."""
+    _check(p, m)
+    s = _greedy("zb-v", p, m, 2, "v", [2 * p] * p)
+    return Schedule(s.name, p, m, 2, "v", s.actions, warmup=_warmup_of(s.actions))
+
+
+def _warmup_of(actions) -> tuple:
+    """Forwards before the first backward, less the one that opens the steady state (all of
+    them when a rank runs every forward first)."""
+    out = []
+    for acts in actions:
+        n_f = sum(a.kind == "F" for a in acts)
+        first = next((k for k, a in enumerate(acts) if a.kind != "F"), len(acts))
+        out.append(first - 1 if first < n_f else first)
+    return tuple(out)
+
+
+#: schedule name → ``builder(p, m, v)``
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": lambda p, m, v=1: gpipe(p, m),
+    "1f1b": lambda p, m, v=1: one_f_one_b(p, m),
+    "interleaved": lambda p, m, v=2: interleaved_1f1b(p, m, v),
+    "zb-h1": lambda p, m, v=1: zb_h1(p, m),
+    "zb-v": lambda p, m, v=2: zb_v(p, m),
+}
+#: stages per rank each schedule requires (``None``: any ``V >= 2``)
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb-h1": 1, "zb-v": 2}
+
+
+def build(name: str, p: int, m: int, v: Optional[int] = None) -> Schedule:
+    """The named schedule. ``v`` defaults to what the schedule needs (2 for interleaved).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the known ones), or a ``v`` the
+            schedule cannot use.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
+    need = STAGES_PER_RANK[name]
+    if v is None:
+        v = need or 2
+    if need is not None and v != need:
+        raise ValueError(f"schedule {name!r} uses {need} stage(s) per rank, got "
+                         f"virtual_stages={v}")
+    return SCHEDULES[name](p, m, v)
+
+
+def with_comms(sched: Schedule, prefetch: int = 0) -> Schedule:
+    """Lower a compute-only schedule: add a ``RECV_F``/``RECV_B`` before the compute that
+    needs data from another rank — ``prefetch`` compute actions earlier, so the transfer
+    overlaps them — and a ``SEND_F``/``SEND_B`` right after the compute that produces it.
+    Edges between two stages of one rank need no message."""
+    n = sched.n_stages
+    out = []
+    for r, acts in enumerate(sched.actions):
+        comp = [a for a in acts if a.is_compute]
+        recvs: list = [[] for _ in comp]
+        for k, a in enumerate(comp):
+            s, i = a.stage, a.microbatch
+            if a.kind == "F" and s > 0 and sched.stage_rank(s - 1) != r:
+                recvs[max(0, k - prefetch)].append(Action(s, "RECV_F", i))
+            if a.kind in ("B", "BW") and s < n - 1 and sched.stage_rank(s + 1) != r:
+                recvs[max(0, k - prefetch)].append(Action(s, "RECV_B", i))
+        seq = []
+        for k, a in enumerate(comp):
+            s, i = a.stage, a.microbatch
+            seq += recvs[k]
+            seq.append(a)
+            if a.kind == "F" and s < n - 1 and sched.stage_rank(s + 1) != r:
+                seq.append(Action(s, "SEND_F", i))
+            if a.kind in ("B", "BW") and s > 0 and sched.stage_rank(s - 1) != r:
+                seq.append(Action(s, "SEND_B", i))
+        out.append(tuple(seq))
+    return Schedule(sched.name, sched.pp, sched.microbatches, sched.virtual, sched.style,
+                    tuple(out), sched.warmup)

@@ -1,0 +1,233 @@
+"""The GPT cut into pipeline stages, the zero-bubble backward split, activation metering.
+
+* :class:`StageModule` — stage ``s`` of ``n``: a contiguous run of transformer blocks; stage
+  0 also holds the token embedding, the last stage the final norm and the head. Input
+  ``(b, S)`` token ids (stage 0) or ``(b, S, H)`` activations; output ``(b, S, H)``, or
+  logits ``(b, S, V)`` on the last stage.
+* :class:`SplitLinear` + :class:`WeightGradStore` — the ``B``/``W`` split of Qi et al. 2023
+  §2 (and their Megatron implementation's ``WeightGradStore``): during ``B`` a linear layer
+  computes only ``dX = dY·W`` and stores ``(X, dY)``; ``W`` later computes
+  ``dW = dYᵀ·X``. Nothing downstream waits for ``dW``, so ``W`` can move into bubbles.
+  (RMSNorm weights and the embedding are cheap and still get their gradients during ``B``.)
+* :class:`ActivationMeter` — saved-for-backward bytes per stage-microbatch, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers excluded, each
+  storage once), live from ``F`` until ``BW``/``W`` releases them.
+
+Tied embeddings: every rank builds the full GPT from the seed and keeps its stages, so when
+the first and last stage share a rank (``P = 1``, ZB-V) the head *is* the embedding
+parameter; otherwise the two ranks hold copies and :class:`TiedEmbedding` exchanges their
+gradients with a send/recv pair after backward (Megatron-LM's embedding-group all-reduce,
+Shoeybi et al. 2019, done point-to-point), so both copies take the same update.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comm
+from ...config import ModelConfig
+from ...models import build_model
+
+__all__ = ["StageModule", "build_stages", "layer_ranges", "SplitLinear", "WeightGradStore",
+           "ActivationMeter", "TiedEmbedding"]
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list:
+    """Equal contiguous runs of layers: ``[range(0, L/n), …]``.
+
+    Raises:
+        ValueError: ``n_stages`` does not divide ``n_layers``.
+    """
+    if n_stages < 1 or n_layers % n_stages:
+        raise ValueError(f"n_layers={n_layers} does not split into {n_stages} equal stages")
+    k = n_layers // n_stages
+    return [range(i * k, (i + 1) * k) for i in range(n_stages)]
+
+
+class StageModule(nn.Module):
+    """Stage ``stage`` of ``n_stages`` carved out of a built ``GPT`` (weights shared)."""
+
+    def __init__(self, gpt: nn.Module, stage: int, n_stages: int):
+        super().__init__()
+        self.stage, self.n_stages = stage, n_stages
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.layer_ids = list(layer_ranges(len(gpt.layers), n_stages)[stage])
+        self.tok_emb = gpt.tok_emb if self.is_first else None
+        self.layers = nn.ModuleList(gpt.layers[i] for i in self.layer_ids)
+        self.norm = gpt.norm if self.is_last else None
+        self.head = gpt.head if self.is_last else None
+        self.register_buffer("rope_cos", gpt.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", gpt.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.tok_emb(x)
+        s = x.shape[1]
+        rope = (self.rope_cos[:s], self.rope_sin[:s])
+        for layer in self.layers:
+            x = layer(x, rope)
+        if self.is_last:
+            x = self.head(self.norm(x))
+        return x
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats/token) of logits ``(b, S, V)`` against ``(b, S)``."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def full_name(self, name: str) -> str:
+        """Local parameter name → the full GPT's (``layers.0.…`` → ``layers.{first}.…``)."""
+        if name.startswith("layers."):
+            _, k, rest = name.split(".", 2)
+            return f"layers.{self.layer_ids[int(k)]}.{rest}"
+        return name
+
+
+def build_stages(model_cfg: ModelConfig, stages: list, n_stages: int, seed: int = 0,
+                 device="cpu", split_backward: bool = False,
+                 store: Optional["WeightGradStore"] = None) -> dict:
+    """``{stage: StageModule}`` for this rank's ``stages``, from one GPT built with ``seed``
+    (so every rank's copy of a weight is bit-identical). With ``split_backward`` the linear
+    layers become :class:`SplitLinear` sharing ``store``."""
+    gpt = build_model(model_cfg, device=device, seed=seed)
+    out = {s: StageModule(gpt, s, n_stages) for s in stages}
+    if split_backward:
+        store = store if store is not None else WeightGradStore()
+        for mod in out.values():
+            _swap_linears(mod, store)
+    return out
+
+
+class WeightGradStore:
+    """Deferred ``(module, X, dY)`` triples, keyed by ``(stage, microbatch)``.
+
+    Set :attr:`key` before running ``B``; :meth:`flush` (the ``W`` pass) computes and
+    accumulates ``dW = dYᵀ X`` (``dY`` ``(…, out)``, ``X`` ``(…, in)`` → ``(out, in)``)."""
+
+    def __init__(self):
+        self.key = None
+        self.pending: dict = defaultdict(list)
+
+    def add(self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+        self.pending[self.key].append((module, x, grad))
+
+    def flush(self, key) -> None:
+        for module, x, g in self.pending.pop(key, []):
+            gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            w = module.weight
+            w.grad = gw if w.grad is None else w.grad.add_(gw)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+
+class _InputGradOnlyLinear(torch.autograd.Function):
+    """``Y = X Wᵀ``; backward returns ``dX = dY W`` and defers ``dW`` to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, module):
+        ctx.save_for_backward(x)
+        ctx.module = module
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.module.store.add(ctx.module, x, grad)
+        return grad @ ctx.module.weight, None, None
+
+
+class SplitLinear(nn.Module):
+    """A bias-free ``nn.Linear`` whose weight gradient waits for the ``W`` pass."""
+
+    def __init__(self, linear: nn.Linear, store: WeightGradStore):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("SplitLinear handles bias-free linears (as in labkit's GPT)")
+        self.weight = linear.weight  # the same Parameter: names and ties are kept
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InputGradOnlyLinear.apply(x, self.weight, self)
+
+
+def _swap_linears(module: nn.Module, store: WeightGradStore) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, SplitLinear(child, store))
+        else:
+            _swap_linears(child, store)
+
+
+class ActivationMeter:
+    """Bytes saved for backward per stage-microbatch, and their peak on this rank.
+
+    Attributes:
+        live: ``{(stage, microbatch): bytes}`` currently held.
+        peak_bytes, peak_count: the most bytes / stage-microbatches held at once.
+    """
+
+    def __init__(self, modules: list, enabled: bool = True):
+        self.enabled = enabled
+        self.exclude = {t.untyped_storage().data_ptr() for m in modules
+                        for t in list(m.parameters()) + list(m.buffers())}
+        self.live: dict = {}
+        self.peak_bytes = self.peak_count = 0
+
+    @contextmanager
+    def forward(self, key) -> Iterator[None]:
+        """Count what the ``with`` body saves for backward under ``key``."""
+        if not self.enabled:
+            yield
+            return
+        seen: set = set()
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self.exclude and ptr not in seen:
+                seen.add(ptr)
+                total[0] += st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.live[key] = total[0]
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+        self.peak_count = max(self.peak_count, len(self.live))
+
+    def release(self, key) -> None:
+        self.live.pop(key, None)
+
+
+class TiedEmbedding:
+    """Sum the tied embedding/head gradient between the first and last stage's ranks.
+
+    A no-op when the model is untied or both stages are on one rank (one parameter)."""
+
+    TAG = 2**30 - 1
+
+    def __init__(self, model_cfg: ModelConfig, schedule, rank: int, stages: dict, group=None):
+        first, last = schedule.stage_rank(0), schedule.stage_rank(schedule.n_stages - 1)
+        self.param, self.peer, self.group = None, None, group
+        if model_cfg.tie_embeddings and first != last and rank in (first, last):
+            mod = stages[0] if rank == first else stages[schedule.n_stages - 1]
+            self.param = mod.tok_emb.weight if rank == first else mod.head.weight
+            self.peer = last if rank == first else first
+
+    def sync(self) -> None:
+        if self.param is None or self.param.grad is None:
+            return
+        g = self.param.grad
+        other = torch.empty_like(g)
+        hs = comm.isend(g, self.peer, self.group, axis="pp", tag=self.TAG)
+        hr = comm.irecv(other, self.peer, self.group, axis="pp", tag=self.TAG)
+        hs.wait()
+        hr.wait()
+        g.add_(other)  # a + b == b + a exactly: both copies stay bit-identical

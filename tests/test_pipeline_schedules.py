@@ -1,0 +1,163 @@
+"""Pipeline schedules as data, checked without processes (claims C30, C31, C32).
+
+Bubble definitions used below (see labkit.parallel.pipeline.simulate):
+  * "idle/total"          = Σ idle / (P · makespan)       → (P−1)/(M+P−1) for GPipe/1F1B
+  * "relative to ideal"   = Σ idle / Σ busy               → (P−1)/M
+  * "idle time"           = absolute idle per rank, in cost units (the paper's bubble size)
+"""
+from __future__ import annotations
+
+import pytest
+
+from labkit.parallel.pipeline.schedules import (SCHEDULES, Action, Schedule, build, gpipe,
+                                                interleaved_1f1b, one_f_one_b, with_comms,
+                                                zb_h1, zb_v)
+from labkit.parallel.pipeline.simulate import ScheduleError, simulate
+
+UNIT = {"F": 1, "B": 1, "W": 1}
+
+
+def _f_before_first_backward(acts):
+    return next(k for k, a in enumerate(acts) if a.kind != "F")
+
+
+def test_1f1b_warmup_forwards_p4_m8():
+    s = one_f_one_b(4, 8)
+    assert s.warmup == (3, 2, 1, 0)
+    # the warm-up forwards, plus the one that opens the steady 1F1B pairs
+    assert [_f_before_first_backward(a) for a in s.actions] == [4, 3, 2, 1]
+
+
+def test_interleaved_warmup_forwards_v2():
+    s = interleaved_1f1b(4, 8, 2)
+    assert s.warmup == (10, 8, 6, 4)
+    assert [_f_before_first_backward(a) for a in s.actions] == [11, 9, 7, 5]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_unit_cost_bubble_formula(name, p, m):
+    """claim C31. Definition: idle/total = (P−1)/(M+P−1); relative to ideal = (P−1)/M."""
+    r = simulate(build(name, p, m), UNIT)
+    assert r.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert r.bubble_vs_ideal == pytest.approx((p - 1) / m)
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16)])
+def test_interleaved_divides_bubble_by_v(p, m, v):
+    """Definition: relative to ideal. 1F1B: (P−1)/M; interleaved: (P−1)/(V·M)."""
+    base = simulate(one_f_one_b(p, m), UNIT).bubble_vs_ideal
+    r = simulate(interleaved_1f1b(p, m, v), UNIT)
+    assert r.bubble_vs_ideal == pytest.approx(base / v)
+    assert r.bubble_vs_ideal == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (4, 16)])
+def test_zb_h1_has_a_third_of_1f1b_bubble(p, m):
+    """claim C32. Definition: idle time per rank (Qi et al. 2023 §3.1): 1F1B
+    (P−1)(T_F+T_B+T_W) = 3(P−1), ZB-H1 (P−1)(T_F+T_B−T_W) = P−1 with unit costs."""
+    ref = simulate(one_f_one_b(p, m), UNIT)
+    zb = simulate(zb_h1(p, m), UNIT)
+    assert zb.idle == [p - 1.0] * p
+    assert ref.idle == [3.0 * (p - 1)] * p
+    assert sum(zb.idle) / sum(ref.idle) == pytest.approx(1 / 3)
+    assert zb.bubble < ref.bubble  # idle/total drops too
+    assert max(zb.peak_inflight) <= p  # 1F1B's peak memory
+
+
+def test_lecture_4_stages_1_microbatch_at_most_25_percent():
+    """claim C30. Definition: idle/total (utilisation = 1 − bubble)."""
+    for costs in (UNIT, {"F": 1, "B": 2, "W": 0}, {"F": [1, 2, 1, 3], "B": 1, "W": 1}):
+        for name in ("gpipe", "1f1b"):  # the naive pipeline: one stage busy at a time
+            r = simulate(build(name, 4, 1), costs)
+            assert r.utilisation <= 0.25 + 1e-9, (name, costs)
+    assert simulate(gpipe(4, 1), UNIT).utilisation == pytest.approx(0.25)
+    # splitting W off lets it overlap the next stage's B: above 25% (claim C32)
+    assert simulate(zb_h1(4, 1), UNIT).utilisation == pytest.approx(1 / 3)
+
+
+def test_lecture_4_stages_4_microbatches_16_of_28():
+    """claim C30. Definition: idle/total: 4 ranks x 4 microbatches busy of 4 x 7 slots."""
+    for costs in ({"F": 1, "BW": 0}, UNIT, {"F": 1, "B": 2, "W": 0}):
+        r = simulate(gpipe(4, 4), {**{"B": 0, "W": 0}, **costs})
+        assert r.utilisation == pytest.approx(16 / 28)
+        assert round(r.utilisation, 3) == 0.571
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (2, 8)])
+def test_peak_inflight_microbatches(p, m):
+    assert simulate(gpipe(p, m)).peak_inflight == [m] * p
+    assert simulate(one_f_one_b(p, m)).peak_inflight == [min(p - r, m) for r in range(p)]
+    assert max(simulate(zb_v(p, m)).peak_inflight) <= 2 * p  # half-size stages: 1F1B's peak
+
+
+def test_zb_v_places_first_and_last_stage_on_rank_0_and_beats_1f1b():
+    s = zb_v(4, 8)
+    assert s.stage_rank(0) == s.stage_rank(7) == 0 and s.stages_of(3) == [3, 4]
+    half = {"F": 0.5, "B": 0.5, "W": 0.5}  # each of the 2P stages holds half a rank's layers
+    v = simulate(s, half)
+    ref = simulate(one_f_one_b(4, 8), UNIT)
+    assert v.bubble < 0.5 * ref.bubble  # idle/total
+    assert sum(v.busy) == pytest.approx(sum(ref.busy))
+
+
+def test_action_string_form_round_trips():
+    for text in ("1F0", "2B3", "0W1", "3BW12", "1SEND_F0", "2RECV_B7"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("2B3") == Action(2, "B", 3)
+    with pytest.raises(ValueError, match="cannot parse"):
+        Action.parse("F1")
+
+
+def test_with_comms_pairs_every_send_with_a_recv():
+    for name in SCHEDULES:
+        s = with_comms(build(name, 4, 4))
+        sends = {(a.kind[-1], a.stage, a.microbatch) for acts in s.actions for a in acts
+                 if a.kind.startswith("SEND")}
+        recvs = {(a.kind[-1], a.stage - 1 if a.kind == "RECV_F" else a.stage + 1, a.microbatch)
+                 for acts in s.actions for a in acts if a.kind.startswith("RECV")}
+        assert sends == recvs and sends, name
+        simulate(s)  # lowered lists still simulate (comm actions cost nothing)
+
+
+def _sched(*rows, p=2, m=1):
+    return Schedule("custom", p, m, 1, "loop",
+                    tuple(tuple(Action.parse(t) for t in row.split()) for row in rows))
+
+
+def test_bad_order_is_named():
+    s = _sched("0F0 0W0 0B0", "1F0 1BW0")
+    with pytest.raises(ScheduleError, match="bad order on rank 0: 0W0 is listed before 0B0"):
+        simulate(s)
+
+
+def test_deadlock_is_named():
+    s = _sched("0F0 0BW0 0F1 0BW1", "1F1 1BW1 1F0 1BW0", m=2)
+    with pytest.raises(ScheduleError, match=r"deadlock: .*rank 0 waits at 0BW0 for 1B0 \(rank 1\)"):
+        simulate(s)
+
+
+def test_incomplete_or_misplaced_schedule_is_named():
+    with pytest.raises(ScheduleError, match="missing backward 1BW0"):
+        simulate(_sched("0F0 0BW0", "1F0"))
+    with pytest.raises(ScheduleError, match="rank 0 runs 1F0 but stage 1 lives on rank 1"):
+        simulate(_sched("0F0 1F0 0BW0", "1BW0"))
+
+
+def test_unknown_schedule_and_bad_virtual_stages():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe"):
+        build("pipedream", 4, 4)
+    with pytest.raises(ValueError, match="virtual_stages >= 2, got 1"):
+        interleaved_1f1b(4, 4, 1)
+    with pytest.raises(ValueError, match="microbatches=6 .* pp=4"):
+        interleaved_1f1b(4, 6, 2)
+
+
+def test_every_schedule_simulates_under_uneven_costs():
+    costs = {"F": [1.0, 1.5, 1.0, 2.0], "B": [2.0, 1.0, 1.2, 1.0], "W": 0.7}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        for m in (1, 3, 8):
+            r = simulate(build(name, 4, m), costs, comm=0.2)
+            assert r.makespan > 0 and all(i >= 0 for i in r.idle)

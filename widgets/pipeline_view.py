@@ -1,0 +1,260 @@
+"""``PipelineView``: a pipeline run's F/B/W spans per rank, beside the simulated schedule.
+
+Top panel: what the ranks did — every ``F``/``B``/``W``/``BW`` span of one flush from the
+run's trace, coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
+crossed, ``BW`` dotted), with the idle time between them drawn as grey bubbles. Bottom
+panel: the same schedule simulated with the run's measured mean per-stage costs
+(:func:`labkit.parallel.pipeline.bubble.measure_bubble`), on the same millisecond axis.
+Without a cluster only the simulation (unit costs) is drawn.
+
+Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time cursor
+across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import ipywidgets as W
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.parallel.pipeline import jobs as pj
+from labkit.parallel.pipeline.actions import Action
+from labkit.parallel.pipeline.bubble import measure_bubble
+from labkit.parallel.pipeline.config import PipelineConfig
+from labkit.parallel.pipeline.schedules import SCHEDULES
+from labkit.parallel.pipeline.simulate import Span, simulate
+
+from . import _style as S
+
+__all__ = ["PipelineView", "gantt_data", "measured_spans"]
+
+KINDS = ("F", "B", "W", "BW")
+PATTERNS = {"F": "", "B": "/", "W": "x", "BW": "."}
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2",
+           "#FF9DA6", "#9D755D", "#BAB0AC", "#17BECF", "#8C564B", "#BCBD22", "#7F7F7F",
+           "#1F77B4", "#D62728"]
+IDLE = "rgba(150,150,150,0.25)"
+FRAMES = 40
+
+
+def measured_spans(trace, step: Optional[int] = None, flush: int = 0) -> list:
+    """The compute spans of one flush (default: the last step) as simulator
+    :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from the flush's start."""
+    ev = [e for e in trace.events if e.cat == "compute" and e.name in KINDS
+          and "stage" in e.args and e.args.get("flush", 0) == flush]
+    if not ev:
+        return []
+    step = max(e.step for e in ev) if step is None else step
+    ev = [e for e in ev if e.step == step]
+    t0 = min(e.start for e in ev)
+    return [Span(e.rank, Action(e.args["stage"], e.name, e.args["microbatch"]),
+                 e.start - t0, e.end - t0) for e in ev]
+
+
+def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float = 1e3) -> dict:
+    """Bar columns for :class:`PipelineView` (pure data, cheap to test).
+
+    Returns ``{kind: {x, base, y, color, text}}`` for each kind in :data:`KINDS`, plus
+    ``"idle"`` (the gaps between a rank's spans up to the last end). Times are multiplied
+    by ``scale`` (ms by default); spans starting after ``until`` are left out and those
+    running across it are cut there (the animation).
+    """
+    end = max((sp.end for sp in spans), default=0.0)
+    cut = end if until is None else until
+    out = {k: {"x": [], "base": [], "y": [], "color": [], "text": []} for k in KINDS + ("idle",)}
+    for sp in sorted(spans, key=lambda s: s.start):
+        if sp.start > cut:
+            continue
+        col = out[sp.action.kind]
+        col["base"].append(sp.start * scale)
+        col["x"].append((min(sp.end, cut) - sp.start) * scale)
+        col["y"].append(f"rank {sp.rank}")
+        col["color"].append(PALETTE[sp.action.microbatch % len(PALETTE)])
+        col["text"].append(str(sp.action))
+    for r in range(pp):
+        t = 0.0
+        for sp in sorted((s for s in spans if s.rank == r), key=lambda s: s.start) + [None]:
+            nxt = min(end if sp is None else sp.start, cut)
+            if nxt > t:
+                idle = out["idle"]
+                idle["base"].append(t * scale)
+                idle["x"].append((nxt - t) * scale)
+                idle["y"].append(f"rank {r}")
+                idle["color"].append(IDLE)
+                idle["text"].append(f"idle {(nxt - t) * scale:.2f}")
+            if sp is not None:
+                t = max(t, sp.end)
+    return out
+
+
+def _base_figure() -> go.Figure:
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("measured (trace)", "simulated (measured costs)"))
+    for row in (1, 2):
+        for kind in ("idle",) + KINDS:
+            fig.add_trace(go.Bar(
+                name=kind, orientation="h", x=[], y=[], base=[], text=[],
+                textposition="inside", insidetextanchor="middle", showlegend=row == 1,
+                legendgroup=kind, hovertemplate="%{text}<br>%{base:.2f} ms + %{x:.2f} ms"
+                "<extra></extra>", marker=dict(color=IDLE if kind == "idle" else "#999",
+                                               pattern_shape=PATTERNS.get(kind, ""),
+                                               line_width=0)), row=row, col=1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(title_text="ms", row=2, col=1)
+    fig.update_layout(barmode="overlay", height=520, margin=dict(l=60, r=20, t=60, b=40),
+                      title="pipeline", legend_title_text="kind (colour = microbatch)")
+    return fig
+
+
+class PipelineView(W.VBox):
+    """Measured vs simulated pipeline schedule, with controls that re-run on a cluster.
+
+    Args:
+        cluster: a warm :class:`labkit.Cluster` (``None``: simulation only).
+        schedule, pp, microbatches, virtual_stages: the starting run.
+        config: a :class:`PipelineConfig` whose other fields (model, batch, steps) are kept.
+        result: show this ``RunResult`` of ``pipeline_train`` instead of running.
+
+    Attributes:
+        controls: ``schedule``/``pp``/``microbatches``/``virtual_stages`` widgets; ``play``
+            and ``time`` (0 … 40, fraction of the makespan) linked; ``status``; ``fig``;
+            ``report`` (the :class:`~labkit.parallel.pipeline.bubble.BubbleReport`).
+    """
+
+    def __init__(self, cluster=None, schedule: str = "1f1b", pp: int = 4,
+                 microbatches: int = 4, virtual_stages: int = 2, *,
+                 config: Optional[PipelineConfig] = None, result=None,
+                 interval_ms: int = 150, **kwargs):
+        super().__init__(**kwargs)
+        self.cluster, self.result, self.report = cluster, None, None
+        self.base = config or PipelineConfig(steps=2)
+        self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
+        max_p = cluster.world_size if cluster is not None else 8
+        opts = dict(continuous_update=False, style={"description_width": "60px"})
+        self.controls = {
+            "schedule": W.Dropdown(options=list(SCHEDULES), value=schedule,
+                                   description="schedule"),
+            "pp": W.SelectionSlider(options=[p for p in (2, 4, 8) if p <= max_p] or [1],
+                                    value=pp, description="P", **opts),
+            "microbatches": W.SelectionSlider(options=[1, 2, 4, 8, 16], value=microbatches,
+                                              description="M", **opts),
+            "virtual_stages": W.SelectionSlider(options=[2, 4], value=virtual_stages,
+                                                description="V", **opts)}
+        self.play = W.Play(min=0, max=FRAMES, value=FRAMES, step=1, interval=interval_ms)
+        self.time = W.IntSlider(min=0, max=FRAMES, value=FRAMES, description="time",
+                                style={"description_width": "60px"})
+        W.link((self.play, "value"), (self.time, "value"))
+        self.status = W.HTML(S.status_html("ready"))
+        self.fig = go.FigureWidget(_base_figure())
+        for c in self.controls.values():
+            c.observe(self._on_control, names="value")
+        self.time.observe(lambda ch: self._draw(), names="value")
+        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.time]),
+                         self.status, self.fig]
+        if result is not None:
+            self.update(result)
+        else:
+            self.rerun()
+
+    def config(self) -> PipelineConfig:
+        c = {k: w.value for k, w in self.controls.items()}
+        v = c["virtual_stages"] if c["schedule"] == "interleaved" else None
+        m = c["microbatches"]
+        batch = self.base.global_batch if self.base.global_batch % m == 0 else 2 * m
+        return self.base.replace(schedule=c["schedule"], pp=c["pp"], microbatches=m,
+                                 virtual_stages=v, global_batch=batch)
+
+    def set(self, **values) -> "PipelineView":
+        """Set controls at once (``schedule``, ``pp``, ``microbatches``,
+        ``virtual_stages``), then re-run once."""
+        self._quiet = True
+        try:
+            for k, v in values.items():
+                self.controls[k].value = v
+        finally:
+            self._quiet = False
+        return self.rerun()
+
+    def rerun(self) -> "PipelineView":
+        """Run the controls' config on the cluster (or simulate it) and draw it."""
+        cfg = self.config()
+        self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
+        try:
+            cfg.validate(self.cluster.world_size if self.cluster is not None else None)
+        except ValueError as exc:
+            self.status.value = S.status_html(str(exc), "error")
+            return self
+        if self.cluster is None:
+            sim = simulate(cfg.build_schedule())
+            self.spans, self.sim_spans, self.report = [], sim.spans, None
+            self.status.value = S.status_html(
+                f"simulated only (no cluster), unit costs: {sim.summary()}")
+            self._scale = 1.0  # unit costs: the axis is in cost units
+            self._draw()
+            return self
+        self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.pp} "
+                                          f"M={cfg.microbatches} …", "busy")
+        return self.update(self.cluster.run(pj.pipeline_train, cfg), cfg)
+
+    def update(self, result, cfg: Optional[PipelineConfig] = None) -> "PipelineView":
+        """Show a ``RunResult`` of ``pipeline_train``."""
+        cfg = cfg or result.config
+        self.result, sched = result, cfg.build_schedule()
+        lat = result.metrics[0].get("p2p_latency_s", 0.0)
+        self.report = rep = measure_bubble(result.trace, sched, comm=lat)
+        self.spans = measured_spans(result.trace)
+        self.sim_spans = rep.predicted.spans
+        mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in result.metrics)
+        self.status.value = S.status_html(
+            f"{rep.summary()}\nidle per rank (ms): measured "
+            f"{[round(i * 1e3, 1) for i in rep.idle]}, simulated "
+            f"{[round(i * 1e3, 1) for i in rep.predicted.idle]}\npeak activations per rank: "
+            f"{mem}; in flight {[m.get('peak_inflight') for m in result.metrics]}", "ok")
+        self._scale = 1e3  # seconds → ms
+        self._draw()
+        return self
+
+    def _draw(self) -> None:
+        pp = self.config().pp
+        end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
+        until = end * self.time.value / FRAMES
+        with self.fig.batch_update():
+            for panel, spans in enumerate((self.spans, self.sim_spans)):
+                cols = gantt_data(spans, pp, until, self._scale)
+                for i, kind in enumerate(("idle",) + KINDS):
+                    c = cols[kind]
+                    self.fig.data[panel * 5 + i].update(
+                        x=c["x"], base=c["base"], y=c["y"], text=c["text"],
+                        marker=dict(color=c["color"]))
+            unit = "ms" if self._scale == 1e3 else "units"
+            self.fig.layout.xaxis2.title.text = unit
+            self.fig.layout.xaxis.range = self.fig.layout.xaxis2.range = [0, end * self._scale]
+            cfg = self.config()
+            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.pp}, M={cfg.microbatches}, "
+                                          f"V={cfg.stages_per_rank}")
+
+    def _on_control(self, _change) -> None:
+        if not self._quiet:
+            self.rerun()
+
+    def figure(self) -> go.Figure:
+        """A plain ``go.Figure`` snapshot of what is on display."""
+        return go.Figure(self.fig)
+
+    def static(self) -> None:
+        """Display :meth:`figure` (for nbval and for reading a saved notebook)."""
+        from IPython.display import display
+
+        display(self.figure())
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        bundle = dict(S.static_bundle(self.fig))
+        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
+                                                **kwargs) or {})
+        bundle.setdefault("text/plain", repr(self))
+        return bundle
+
+    def __repr__(self) -> str:
+        c = self.config()
+        return f"PipelineView({c.schedule!r}, P={c.pp}, M={c.microbatches})"
