@@ -5,6 +5,7 @@
 * :class:`TimelineView` — per-rank compute/communication timeline of a ``RunResult``.
 * :class:`CheckpointView` — an activation-checkpointing schedule, step by step, with its
   memory curve.
+* :class:`CollectiveView` — a collective's recorded chunk movements, step by step.
 * :class:`Explorer` — data-parallel knobs that re-run training on a warm ``Cluster`` and
   show measured memory, MFU and communication beside the formulas.
 
@@ -14,8 +15,9 @@ Each view is an ``ipywidgets.VBox`` around plotly ``FigureWidget``\\ s, updated 
 these widgets import labkit, labkit never imports them.
 """
 from .checkpoint_view import CheckpointView
+from .collective_view import CollectiveView
 from .explorer import Explorer
 from .pipeline_view import PipelineView
 from .timeline import TimelineView
 
-__all__ = ["CheckpointView", "Explorer", "PipelineView", "TimelineView"]
+__all__ = ["CheckpointView", "CollectiveView", "Explorer", "PipelineView", "TimelineView"]
