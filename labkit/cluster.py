@@ -263,8 +263,9 @@ class Cluster:
                 c.send(("close", None))
             except (OSError, BrokenPipeError):
                 pass
+        deadline = time.perf_counter() + 3.0  # one budget for all ranks, then kill
         for p in self._procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.perf_counter()))
         self._kill()
 
     @property

@@ -42,6 +42,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
         "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
 
 
+# torch 2.13 renamed the tensor forms (the old names warn); older releases only have those
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements."""
     return t.numel() * t.element_size()
@@ -151,7 +156,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
     rop = _reduce_op(op)
     finish = (lambda: output.div_(n)) if op == "avg" else None
     return _run("reduce_scatter", COMM,
-                lambda a: dist.reduce_scatter_tensor(output, input, rop, group, a),
+                lambda a: _reduce_scatter_tensor(output, input, rop, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
                 peers=group_ranks(group), async_op=async_op, finish=finish,
                 numel=input.numel(), reduce=op, **tags)
@@ -166,7 +171,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"N={n} x input ({input.numel()})")
     return _run("all_gather", COMM,
-                lambda a: dist.all_gather_into_tensor(output, input, group, a),
+                lambda a: _all_gather_tensor(output, input, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
                 peers=group_ranks(group), async_op=async_op, numel=output.numel(), **tags)
 

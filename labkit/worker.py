@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -71,6 +72,9 @@ def _watch_parent(parent_pid: int) -> None:
 def worker_main(rank: int, world_size: int, store_path: str, backend: str, device_type: str,
                 threads: int, conn, parent_pid: int, sys_path: list) -> None:
     """Entry point of one rank process (the spawn target)."""
+    # A kernel interrupt may signal the whole process group; the parent alone decides
+    # what an interrupt means (cancel and restart), so ranks ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -120,10 +124,9 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
             conn.send(("result", job_id, rank, {"output": out, "events": tracer.events}))
         except BaseException:
             conn.send(("error", job_id, rank, traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    # No destroy_process_group(): it waits for peers that may already be gone, and the
+    # process is ending anyway. Exit at once, skipping interpreter teardown.
+    os._exit(0)
 
 
 def context_from_env() -> RankContext:
