@@ -3,6 +3,10 @@
 * ``labkit run --dp 2 --steps 5 --model tiny`` starts its own :class:`labkit.Cluster`,
   runs :func:`labkit.jobs.train` and prints one row per rank: step time, MFU, model-state
   memory measured beside :mod:`labkit.plan`, all-reduce bytes beside 2(N−1)/N·|θ|·4.
+* ``labkit run --dp 4 --zero 3 --steps 3 --model tiny`` (``--zero 0|1|2``,
+  ``--hsdp-replicas M``, ``--no-prefetch``) runs :func:`labkit.parallel.zero_jobs.zero_train`
+  and prints memory by category and bytes per collective, measured beside predicted
+  (:mod:`labkit.cli_report`).
 * ``torchrun --nproc-per-node 2 -m labkit run --dp 2 ...`` runs the same job in-process on
   each torchrun worker (env:// rendezvous), gathers every rank's output to rank 0 and
   prints the same table there.
@@ -15,13 +19,14 @@ Only the config module is imported before validation: torch loads after it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
 import sys
 import time
 from typing import Optional, Sequence
+
+from .cli_report import make_console, render, render_run, run_json
 
 __all__ = ["main", "build_parser", "render_run", "run_json", "under_torchrun"]
 
@@ -57,6 +62,13 @@ def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
     r.add_argument("--bucket-mb", type=float, default=25.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--zero", type=int, default=None, metavar="{0,1,2,3}",
+                   help="run the ZeRO job at this stage (0 DP, 1 optimizer state sharded, "
+                   "2 + gradients, 3 + parameters = FSDP)")
+    r.add_argument("--hsdp-replicas", type=int, default=1, metavar="M",
+                   help="HSDP: M replica groups of dp/M shards (ZeRO stages 1-3; default 1)")
+    r.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="ZeRO-3: do not prefetch the next unit's all-gather")
     r.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
     r.add_argument("--json", action="store_true", help="print metrics as JSON, not a table")
     r.set_defaults(func=cmd_run)
@@ -133,10 +145,29 @@ def _run_config(args, world_size: int):
                     bucket_mb=args.bucket_mb, seed=args.seed, lr=args.lr,
                     dataset="digits" if getattr(PRESETS.get(args.model), "kind", "") == "vit"
                     else "text").replace(dp=dp)
+    if args.zero is not None or args.hsdp_replicas != 1:
+        from .parallel.zero_config import ZeroConfig
+
+        if args.dp_mode != "ddp":
+            raise UsageError(f"--dp-mode {args.dp_mode} is for the plain DP job; the ZeRO "
+                             f"job (--zero {args.zero}) syncs with its own collectives")
+        cfg = ZeroConfig(run=cfg, zero_stage=0 if args.zero is None else args.zero,
+                         prefetch=args.prefetch, hsdp_replicas=args.hsdp_replicas)
     try:
         return cfg.validate(world_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _job(cfg):
+    """The job function for ``cfg``: ZeRO's ``zero_train`` or ``labkit.train.run``."""
+    if hasattr(cfg, "zero_stage"):
+        from .parallel.zero_jobs import zero_train
+
+        return zero_train
+    from .train import run
+
+    return run
 
 
 def cmd_run(args) -> int:
@@ -145,13 +176,12 @@ def cmd_run(args) -> int:
     if args.dp is None:
         args.dp = 1
     cfg = _run_config(args, args.dp)
-    from . import jobs
     from .cluster import Cluster, RankError
 
     t0 = time.perf_counter()
     try:
         with Cluster(world_size=args.dp) as cluster:
-            result = cluster.run(jobs.train, cfg)
+            result = cluster.run(_job(cfg), cfg)
             backend = cluster.backend
     except (RankError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -183,14 +213,13 @@ def _run_torchrun(args) -> int:
     import torch.distributed as dist
 
     from .trace import Trace, use_tracer
-    from .train import run
     from .worker import context_from_env
 
     t0 = time.perf_counter()
     ctx = context_from_env()
     try:
         with use_tracer(ctx.tracer):
-            out = run(ctx, cfg)
+            out = _job(cfg)(ctx, cfg)
         mine = {"output": out, "events": ctx.tracer.events if args.trace else []}
         gathered = [None] * ctx.world_size if ctx.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=ctx.group)
@@ -210,74 +239,9 @@ def _report(cfg, outputs: list, info: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(run_json(cfg, outputs, info), default=str))
     else:
-        render_run(cfg, outputs, info)
+        render(cfg, outputs, info)
 
 
-def _global_losses(outputs: list) -> list:
-    losses = [o["losses"] for o in outputs]
-    return [sum(ls[s] for ls in losses) / len(losses) for s in range(len(losses[0]))]
-
-
-def run_json(cfg, outputs: list, info: dict) -> dict:
-    """Plain-data report of a run: config, global losses, per-rank losses and metrics."""
-    m0 = outputs[0]["metrics"]
-    return {"model": m0["model"], "n_params": m0["n_params"], "world_size": len(outputs),
-            **info, "config": dataclasses.asdict(cfg), "losses": _global_losses(outputs),
-            "ranks": [{"rank": r, "losses": o["losses"], "metrics": o["metrics"]}
-                      for r, o in enumerate(outputs)]}
-
-
-def _console():
-    from rich.console import Console
-
-    # piped output (CI logs, tests) gets a fixed, wide layout instead of 80 columns
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 180)
-
-
-def _pair(measured, predicted, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-    a = "–" if measured is None else fmt.format(measured / scale)
-    b = "–" if predicted is None else fmt.format(predicted / scale)
-    return f"{a} / {b}"
-
-
-def render_run(cfg, outputs: list, info: dict, console=None) -> None:
-    """Print the header line and one table row per rank (shared by both launchers)."""
-    from rich.table import Table
-
-    console = console or _console()
-    m0 = outputs[0]["metrics"]
-    console.print(f"labkit run · model {m0['model']} · {m0['n_params']:,} params · "
-                  f"world {len(outputs)} · backend {info.get('backend', '?')} · "
-                  f"launcher {info.get('launcher', '?')} · dp_mode {cfg.dp_mode} · "
-                  f"global batch {cfg.global_batch} (micro {cfg.micro} x {cfg.accum_steps}"
-                  f" accum) · steps {cfg.steps}")
-    t = Table(title=None, show_lines=False)
-    t.add_column("rank", justify="right")
-    t.add_column("step ms", justify="right")
-    t.add_column("MFU %", justify="right")
-    for cat in ("params", "grads", "optim"):
-        t.add_column(f"{cat} MiB\nmeas / pred", justify="right")
-    t.add_column("activ. MiB\npeak", justify="right")
-    t.add_column("all-reduce B/step\nmeas / 2(N-1)/N·|θ|·4", justify="right")
-    t.add_column("final loss", justify="right")
-    for r, out in enumerate(outputs):
-        m = out["metrics"]
-        mem = m.get("memory") or {}
-        state, pred = mem.get("model_state", {}), m.get("memory_predicted", {})
-        act = mem.get("peak", {}).get("activations")
-        t.add_row(str(r), f"{m['step_time_s'] * 1e3:.1f}",
-                  "–" if m.get("mfu") is None else f"{100 * m['mfu']:.2f}",
-                  *[_pair(state.get(c), pred.get(c), MiB)
-                    for c in ("parameters", "gradients", "optimizer")],
-                  "–" if act is None else f"{act / MiB:.3f}",
-                  _pair(m.get("comm_bytes_per_step"), m.get("comm_bytes_predicted"),
-                        fmt="{:,.0f}"),
-                  f"{out['losses'][-1]:.4f}")
-    console.print(t)
-    losses = _global_losses(outputs)
-    tail = f" · trace → {info['trace']}" if info.get("trace") else ""
-    console.print(f"global loss (mean over ranks) {losses[0]:.4f} → {losses[-1]:.4f} · "
-                  f"wall {info.get('wall_s', 0.0):.1f} s{tail}")
 
 
 # --------------------------------------------------------------------------- plan
@@ -295,7 +259,7 @@ def cmd_plan_memory(args) -> int:
         return 0
     from rich.table import Table
 
-    console = _console()
+    console = make_console()
     prec = "fp32 (4/4/8 B/param)" if args.fp32 else "mixed (2/2/12 B/param)"
     console.print(f"model state per rank · {args.params:.4g} params · {args.ranks} ranks · "
                   f"ZeRO-{args.zero} · {prec}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from typing import Optional
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -39,7 +39,8 @@ from .plan.comm import dp_step_comm_bytes
 from .plan.memory import model_state_bytes
 from .trace import region
 
-__all__ = ["run", "reference", "flat_params"]
+__all__ = ["run", "reference", "flat_params", "local_rows", "local_batch", "run_steps",
+           "steady_step_time", "flops_and_mfu"]
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
@@ -51,9 +52,62 @@ def _optimizer(model, cfg: RunConfig):
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _local_rows(x: torch.Tensor, rank: int, dp: int) -> torch.Tensor:
+def local_rows(x: torch.Tensor, rank: int, dp: int) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch: rows ``[rank·B/dp, (rank+1)·B/dp)``
+    of ``x`` (shape ``[B, ...]`` → ``[B/dp, ...]``, a view). ``B`` must be divisible by
+    ``dp`` (``RunConfig.validate`` checks ``global_batch``)."""
     rows = x.shape[0] // dp
     return x[rank * rows:(rank + 1) * rows]
+
+
+def local_batch(cfg: RunConfig, step: int, rank: int, device) -> tuple:
+    """This rank's ``(inputs, targets)`` of global step ``step``, on ``device``, in a traced
+    ``"data"`` region: :func:`labkit.models.data.make_batch` (the same global batch on every
+    rank, shape ``[global_batch, ...]``) cut by :func:`local_rows` to
+    ``[global_batch/dp, ...]``."""
+    dp = cfg.parallel.dp
+    with region("data"):
+        x, y = make_batch(cfg, step)
+        return local_rows(x, rank, dp).to(device), local_rows(y, rank, dp).to(device)
+
+
+def run_steps(ctx, cfg: RunConfig, step_fn: Callable, model, opt, device,
+              track: Iterable[torch.Tensor] = ()) -> tuple:
+    """Run ``cfg.steps`` training steps, timing them and measuring memory in one of them.
+
+    ``step_fn(s, mark)`` runs step ``s`` and returns its loss (a float); ``mark(label)``
+    records a memory snapshot (a no-op outside the tracked step). ``ctx.tracer.step`` is set
+    to ``s`` before each step. With ``cfg.measure_memory`` and at least 3 steps, the last
+    step runs under :func:`labkit.measure.memory.measure_memory` (``model``, ``opt``,
+    ``device`` and the extra ``track`` tensors are what it tracks) and is not timed.
+
+    Returns:
+        ``(losses, times, memory_report)``: ``losses[s]`` per step (every step),
+        ``times`` in seconds from the tracer's clock (the untracked steps, in order), and the
+        :class:`~labkit.measure.memory.MemoryReport` or ``None`` when no step was tracked
+        (memory off, or fewer than 3 steps).
+    """
+    losses, times, report = [], [], None
+    mem_step = cfg.steps - 1 if (cfg.measure_memory and cfg.steps >= 3) else None
+    for s in range(cfg.steps):
+        ctx.tracer.step = s
+        if s == mem_step:
+            holder: dict = {}
+            report = measure_memory(lambda mark: holder.setdefault("loss", step_fn(s, mark)),
+                                    model, opt, device, track=track)
+            losses.append(holder["loss"])
+            continue
+        t0 = ctx.tracer.now()
+        losses.append(step_fn(s, lambda label: None))
+        times.append(ctx.tracer.now() - t0)
+    return losses, times, report
+
+
+def steady_step_time(times: Sequence[float]) -> float:
+    """Median step time (s) of the steady steps: ``times[1:]`` (the first step pays lazy
+    allocation of Adam state), or ``times`` when there is only one; NaN when empty."""
+    steady = list(times[1:] or times)
+    return statistics.median(steady) if steady else float("nan")
 
 
 def run(ctx, cfg: RunConfig) -> dict:
@@ -77,11 +131,8 @@ def run(ctx, cfg: RunConfig) -> dict:
     opt = _optimizer(model, cfg)
     micro, accum = cfg.micro, cfg.accum_steps
 
-    def step(s: int, mark=lambda label: None) -> float:
-        ctx.tracer.step = s
-        with region("data"):
-            x, y = make_batch(cfg, s)
-            x, y = _local_rows(x, rank, dp).to(device), _local_rows(y, rank, dp).to(device)
+    def step(s: int, mark) -> float:
+        x, y = local_batch(cfg, s, rank, device)
         total = 0.0
         for m in range(accum):
             sync = contextlib.nullcontext() if m == accum - 1 else wrapped.no_sync()
@@ -103,23 +154,10 @@ def run(ctx, cfg: RunConfig) -> dict:
         mark("optimizer")
         return total
 
-    losses, times = [], []
-    mem_step = cfg.steps - 1 if (cfg.measure_memory and cfg.steps >= 3) else None
-    report = None
-    for s in range(cfg.steps):
-        if s == mem_step:
-            holder = {}
-            report = measure_memory(lambda mark: holder.setdefault("loss", step(s, mark)),
-                                    model, opt, device)
-            losses.append(holder["loss"])
-            continue
-        t0 = ctx.tracer.now()
-        losses.append(step(s))
-        times.append(ctx.tracer.now() - t0)
+    losses, times, report = run_steps(ctx, cfg, step, model, opt, device)
     if cfg.measure_memory and report is None:  # too few steps to spare one: measure after
         report = measure_memory(lambda mark: None, model, opt, device)
-    steady = times[1:] or times
-    step_time = statistics.median(steady)
+    step_time = steady_step_time(times)
     timed_step = 1 if len(times) > 1 else 0
 
     metrics = {
@@ -137,7 +175,7 @@ def run(ctx, cfg: RunConfig) -> dict:
     metrics["comm_bytes_per_step"] = ctx.tracer and sum(
         e.bytes_sent for e in ctx.tracer.events if e.step == timed_step and e.cat == "comm")
     metrics["comm_bytes_predicted"] = dp_step_comm_bytes(n_params, dp, elem)
-    metrics.update(_flops_and_mfu(ctx, cfg, model, step_time, accum))
+    metrics.update(flops_and_mfu(ctx, cfg, model, step_time, accum))
     out = {"losses": losses, "metrics": metrics}
     if cfg.return_state and rank == 0:
         out["state"] = flat_params(model)
@@ -185,7 +223,23 @@ def _count(ctx, cfg: RunConfig, policy: bool) -> int:
     return ctx.cache[key]
 
 
-def _flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> dict:
+def flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> dict:
+    """FLOPs per step and MFU/HFU of this rank, as plain data.
+
+    Args:
+        ctx: the rank context (``cache`` memoizes FLOP counts and the measured peak).
+        cfg: the run (model, micro-batch, local batch, checkpoint policy, ``count_flops``).
+        model: the trained model; its parameter dtype picks the peak to divide by.
+        step_time: seconds per optimizer step (e.g. :func:`steady_step_time`).
+        accum: microbatches per step (``cfg.accum_steps``).
+
+    Returns:
+        ``{"flops_analytic"`` (6·N + attention per token × local tokens, GPT only, else
+        ``None``), ``"flops_per_step"`` (torch's counter × ``accum``), ``"hardware_flops_per_step"``
+        (with recomputation), ``"peak_flops"`` (FLOP/s of this device, or the calibrated CPU
+        share), ``"mfu"``, ``"hfu"`` (fractions)``}``; all but ``flops_analytic`` are
+        ``None`` when ``cfg.count_flops`` is off or no peak is known.
+    """
     mc = cfg.model_config
     out: dict = {"flops_per_step": None, "hardware_flops_per_step": None, "peak_flops": None,
                  "mfu": None, "hfu": None}

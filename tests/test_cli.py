@@ -62,6 +62,9 @@ def test_run_prints_table_with_every_rank(tmp_path):
     (["--dp", "2", "--model", "nope"], ["unknown model preset 'nope'", "tiny"]),
     (["--dp", "2", "--micro-batch", "3"], ["global_batch=8", "2 x 3 = 6"]),
     (["--dp", "2", "--model", "llama3-8b"], ["planning"]),
+    (["--dp", "2", "--zero", "5"], ["zero_stage", "got 5"]),
+    (["--dp", "4", "--zero", "3", "--hsdp-replicas", "3"], ["hsdp_replicas=3", "dp=4"]),
+    (["--dp", "2", "--zero", "0", "--hsdp-replicas", "2"], ["hsdp_replicas=2", "zero_stage 1-3"]),
 ])
 def test_bad_input_exits_2_fast_without_traceback(args, words):
     t0 = time.perf_counter()
@@ -85,6 +88,48 @@ def test_bad_input_starts_no_process(monkeypatch, capsys):
         monkeypatch.delenv(k, raising=False)
     assert cli.main(["run", "--dp", "3", "--model", "tiny"]) == 2
     assert "global_batch=8" in capsys.readouterr().err
+
+
+def test_zero_bad_input_starts_no_process(monkeypatch, capsys):
+    import labkit.cluster
+
+    def boom(*a, **k):
+        raise AssertionError("a Cluster was started for invalid input")
+
+    monkeypatch.setattr(labkit.cluster, "Cluster", boom)
+    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for argv, words in ((["--zero", "4"], ["got 4"]),
+                        (["--zero", "2", "--hsdp-replicas", "4"], ["hsdp_replicas=4", "dp=2"]),
+                        (["--zero", "3", "--dp-mode", "naive"], ["--dp-mode naive"])):
+        assert cli.main(["run", "--dp", "2", "--model", "tiny", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err
+        assert all(w in err for w in words), err
+
+
+ZROW = re.compile(r"^│\s*(\d+)\s*│(.*)$", re.M)
+PAIR = re.compile(r"([\d,.]+) / ([\d,.]+)")
+
+
+@pytest.mark.distributed
+def test_run_zero3_prints_memory_and_bytes_per_collective():
+    """``labkit run --zero 3``: memory by category and bytes per collective, measured
+    beside predicted; the per-collective counts equal the prediction exactly."""
+    out = _ok(_labkit("-m", "labkit", "run", "--dp", "2", "--zero", "3", "--steps", "3",
+                      "--model", "tiny"))
+    assert "ZeRO-3 · K=2 shards × M=1 replicas" in out and "prefetch on" in out
+    assert "memory per rank" in out and "bytes per collective" in out
+    head, comm = out.split("bytes per collective")
+    mem_rows, comm_rows = ZROW.findall(head), ZROW.findall(comm)
+    assert [r for r, _ in mem_rows] == ["0", "1"] and [r for r, _ in comm_rows] == ["0", "1"]
+    for _, cells in mem_rows:  # params / grads / optim: measured == labkit.plan (MiB, 3 d.p.)
+        pairs = PAIR.findall(cells)
+        assert len(pairs) >= 3 and all(a == b for a, b in pairs[:3]), cells
+    for _, cells in comm_rows:  # reduce-scatter and all-gather: counted == predicted
+        rs, ag = PAIR.findall(cells)[:2]
+        assert rs[0] == rs[1] != "0" and ag[0] == ag[1] != "0", cells
+    assert "keep_last" in out and "global loss" in out
 
 
 def test_plan_memory(capsys):

@@ -147,9 +147,27 @@ def test_timeline_many_events_few_traces():
               for r in range(4) for s in range(250)
               for i, n in enumerate(("forward", "backward", "all_reduce", "optimizer", "data"))]
     tv = TimelineView(Trace(events))
-    assert len(tv.fig.data) == 12  # fixed families, not one trace per event
+    assert len(tv.fig.data) == 13  # fixed families, not one trace per event
     assert sum(len(d.x) for d in tv.fig.data) == len(events) == 5000
     assert "application/vnd.plotly.v1+json" in tv._repr_mimebundle_()
+
+
+def test_timeline_blocked_waits_have_their_own_family():
+    """FSDP's "wait" events (the compute thread blocked on an all-gather) are "blocked",
+    on the compute row, not grey "other" on the comm lane."""
+    from labkit_widgets import TimelineView
+
+    events = [Event(0, "forward", "compute", 0.0, 0.010, 0),
+              Event(0, "all_gather", "comm", 0.001, 0.004, 0, op="all_gather", bytes_sent=64),
+              Event(0, "wait all_gather", "wait", 0.002, 0.004, 0,
+                    args={"unit": "layers.0", "phase": "forward"})]
+    t = _traces(TimelineView(Trace(events)).fig)
+    blocked = t["blocked"]
+    assert list(blocked.y) == [0.0] and blocked.x[0] == pytest.approx(2.0)
+    assert blocked.showlegend and blocked.legendgroup == "compute"
+    assert (blocked.customdata[0][2], blocked.customdata[0][8]) == ("layers.0", "forward")
+    comm_other = [d for d in TimelineView(Trace(events)).fig.data if d.name == "other"][-1]
+    assert len(comm_other.x) == 0 and len(t["all-gather"].x) == 1
 
 
 # --------------------------------------------------------------------------- explorer
@@ -255,3 +273,70 @@ def test_explorer_checkpoint_policy_reruns(cluster):
     assert full["memory"]["peak"]["activations"] < plain["memory"]["peak"]["activations"]
     ex.set(checkpoint="sometimes")
     assert "sometimes" in ex.status.value and ex.last_error is not None
+
+
+def test_explorer_zero_controls_without_running():
+    """The ZeRO controls: HSDP options follow dp, prefetch only at stage 3, the job picked."""
+    from labkit.parallel.zero_jobs import zero_train
+    from labkit_widgets import Explorer
+
+    ex = Explorer(FakeCluster(), RunConfig(global_batch=8, steps=2).replace(dp=2),
+                  run_now=False)
+    c = ex.controls
+    assert list(c["zero_stage"].options) == [0, 1, 2, 3] and c["zero_stage"].value == 0
+    assert [v for _, v in c["hsdp_replicas"].options] == [1, 2] and c["prefetch"].disabled
+    assert ex.job_config()[0] is jobs.train and not c["dp_mode"].disabled
+    c["dp"].value = 1  # the slider path (re-runs the train job on the fake cluster)
+    assert [v for _, v in c["hsdp_replicas"].options] == [1]
+    job, cfg = ex.job_config(zero_stage=3, prefetch=False, hsdp_replicas=1)
+    assert job is zero_train and (cfg.zero_stage, cfg.prefetch, cfg.hsdp_replicas) == (3, False, 1)
+    assert ex.set(dp=2, zero_stage=0, hsdp_replicas=2) is None  # stage 0 has no HSDP
+    assert "hsdp_replicas=2 needs zero_stage 1-3" in _text(ex.status.value)
+    assert c["dp"].value == 1  # nothing changed
+
+
+def test_explorer_zero_stages_real(cluster):
+    """dp=2: stage 0 → 3 re-runs the ZeRO job; the parameters bar halves; bytes per
+    collective measured beside predicted; prefetch and HSDP re-run; bad combos are shown."""
+    from labkit.parallel.zero_config import ZeroConfig
+    from labkit_widgets import Explorer
+
+    ex = Explorer(cluster, RunConfig(steps=3, global_batch=8).replace(dp=2), run_now=False)
+    ex.set(zero_stage=0)
+    assert ex.last_error is None and isinstance(ex.last_result.config, RunConfig)
+    mem0, params0 = _memory_data(ex), ex.figures["memory"].data[0].y[0]  # rank 0 measured
+    ex.set(zero_stage=3)
+    assert ex.last_error is None, ex.last_error
+    cfg = ex.last_result.config
+    assert isinstance(cfg, ZeroConfig) and (cfg.zero_stage, cfg.prefetch) == (3, True)
+    assert _memory_data(ex) != mem0
+    params3 = ex.figures["memory"].data[0].y[0]
+    assert 1.9 < params0 / params3 < 2.1  # parameters sharded over K=2 ranks
+    meas, pred = ex.figures["comm"].data
+    assert set(meas.x[1]) == {"reduce_scatter", "all_gather"}
+    assert list(meas.y) == pytest.approx(list(pred.y))  # counted bytes == the formula
+    row = ex.history[-1]
+    assert (row["zero_stage"], row["prefetch"], row["replicas"]) == (3, True, 1)
+    assert row["overlap_pct"] is not None and "AG hidden" in ex.history_html.value
+    assert not ex.controls["prefetch"].disabled and ex.controls["dp_mode"].disabled
+    assert len(_traces(ex.figures["timeline"])["blocked"].x) > 0  # all-gather waits
+    print(f"Explorer ZeRO-3 (tiny, dp=2) re-run latency: {ex.last_latency_s:.3f} s")
+    assert 0 < ex.last_latency_s < 60
+    ex.controls["prefetch"].value = False  # the observe path, like a click
+    assert len(ex.history) == 3 and ex.last_result.config.prefetch is False
+    assert ex.history[-1]["prefetch"] is False
+    ex.set(zero_stage=3, prefetch=False, hsdp_replicas=2)
+    assert ex.last_error is None, ex.last_error
+    assert ex.last_result.config.hsdp_replicas == 2 and ex.history[-1]["replicas"] == 2
+    assert "all_reduce" in ex.figures["comm"].data[0].x[1]  # across the replica groups
+    n = len(ex.history)
+    assert ex.set(hsdp_replicas=3) is None
+    status = _text(ex.status.value)
+    assert "invalid configuration" in status and "hsdp_replicas=3" in status and "dp=2" in status
+    assert ex.set(zero_stage=4) is None and "got 4" in _text(ex.status.value)
+    assert len(ex.history) == n and ex.controls["hsdp_replicas"].value == 2
+    ex.set(zero_stage=1, hsdp_replicas=1)
+    assert ex.last_error is None and ex.controls["prefetch"].disabled
+    assert set(ex.last_result.metrics[0]["comm_bytes_by_op"]) == {"reduce_scatter", "all_gather"}
+    ex.set(zero_stage=0)
+    assert isinstance(ex.last_result.config, RunConfig) and not ex.controls["dp_mode"].disabled

@@ -24,6 +24,9 @@ COMM_COLORS = {"all_reduce": "#B279A2", "reduce_scatter": "#E45756", "all_gather
                "all_to_all": "#EECA3B", "broadcast": "#FF9DA6", "reduce": "#9D755D",
                "p2p": "#17BECF", "other": "#BAB0AC"}
 
+#: time the compute thread sat blocked on a collective (FSDP's all-gather waits)
+BLOCKED_COLOR = "#3B3B3B"
+
 #: memory categories, in stacking order (bottom first)
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "#54A24B",

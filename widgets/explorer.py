@@ -1,15 +1,19 @@
-"""``Explorer``: turn the data-parallel knobs and watch a real re-run answer.
+"""``Explorer``: turn the data-parallel and ZeRO knobs and watch a real re-run answer.
 
 Sliders pick the data-parallel degree, the micro-batch, the DDP bucket size and the
-gradient-sync mode. Every change builds a new :class:`labkit.config.RunConfig`, runs
-``labkit.jobs.train`` on the warm cluster — a real run, never a formula dressed as a
-measurement — and redraws, all in one ``batch_update()``:
+gradient-sync mode; toggles the recompute policy, the ZeRO stage (0–3), FSDP prefetch
+(stage 3 only) and the HSDP replica groups ``M`` (a divisor of dp; 1 = off). Every change
+runs on the warm cluster — a real run, never a formula dressed as a measurement: stage 0
+without HSDP runs ``labkit.jobs.train`` (a ``RunConfig``), anything else
+:func:`labkit.parallel.zero_jobs.zero_train` (a ``ZeroConfig``) — and redraws in one
+``batch_update()`` (figures: :mod:`labkit_widgets.explorer_figures`):
 
 * peak memory per rank by category, measured beside the predicted model state,
 * MFU on a gauge with the lecture's bars (30 % good, 40 % excellent) and the step time,
-* communication bytes per rank per step, measured beside ``2(N−1)/N·|θ|·bytes``,
+* bytes per collective per rank per step, measured beside the formula (2Ψ / 3Ψ …),
 * the per-rank timeline of the run (:class:`~labkit_widgets.timeline.TimelineView`),
-* a history table of every configuration tried.
+* a history table of every configuration tried (with stage, prefetch, replicas and the
+  fraction of all-gather time hidden under compute).
 
 A status line says how long the re-run took; an invalid configuration shows its
 ``ValueError`` there in red instead of raising.
@@ -26,63 +30,45 @@ import plotly.graph_objects as go
 from labkit.config import RunConfig
 
 from . import _style as S
+from . import explorer_figures as F
 from .timeline import TimelineView
 
-__all__ = ["Explorer", "BUCKET_OPTIONS_MB", "DP_MODES"]
+__all__ = ["Explorer", "BUCKET_OPTIONS_MB", "DP_MODES", "ZERO_CONTROLS"]
 
 #: the tiny model's parameters are ~0.4 MB, so buckets below 1 MiB are where things happen
 BUCKET_OPTIONS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
 DP_MODES = ("ddp", "naive", "torch")
-CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode", "checkpoint")
+#: controls that are RunConfig fields, and the ZeRO knobs (ZeroConfig fields)
+RUN_CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode", "checkpoint")
+ZERO_CONTROLS = ("zero_stage", "prefetch", "hsdp_replicas")
+CONTROLS = RUN_CONTROLS + ZERO_CONTROLS
 #: activation-checkpointing policies offered (``every`` needs a segment size: use ``set``)
 CHECKPOINT_OPTIONS = ("none", "full", "selective")
-
-_HISTORY_COLUMNS = [
-    ("#", "run", str), ("dp", "dp", str), ("micro", "micro_batch", str),
-    ("bucket MiB", "bucket_mb", lambda v: S.fmt(v, "g")), ("mode", "dp_mode", str), ("recompute", "checkpoint", str),
-    ("step ms", "step_ms", lambda v: S.fmt(v, ".1f")), ("MFU %", "mfu_pct", lambda v: S.fmt(v, ".1f")),
-    ("HFU %", "hfu_pct", lambda v: S.fmt(v, ".1f")),
-    ("peak MiB", "peak_mib", lambda v: S.fmt(v, ".2f")), ("bytes/step", "comm_bytes", S.fmt_bytes),
-    ("loss", "loss", lambda v: S.fmt(v, ".4f")), ("run s", "wall_s", lambda v: S.fmt(v, ".2f")),
-    ("latency s", "latency_s", lambda v: S.fmt(v, ".2f"))]
-
-
-def summarize(result) -> dict:
-    """One history row from a train ``RunResult`` (missing metrics read as ``None``)."""
-    ms = result.metrics
-    cfg = result.config
-    last = [o["losses"][-1] for o in result.outputs if isinstance(o, dict) and o.get("losses")]
-    mfus = [m.get("mfu") for m in ms]
-    hfus = [m.get("hfu") for m in ms]
-    return {"dp": cfg.parallel.dp, "micro_batch": cfg.micro, "bucket_mb": cfg.bucket_mb,
-            "dp_mode": cfg.dp_mode, "checkpoint": getattr(cfg, "checkpoint", "none"),
-            "hfu_pct": None if S.mean(hfus) is None else 100 * S.mean(hfus),
-            "step_ms": max((m.get("step_time_s") or 0.0 for m in ms), default=0.0) * 1e3,
-            "mfu_pct": None if S.mean(mfus) is None else 100 * S.mean(mfus),
-            "peak_mib": S.mib(max((m.get("memory", {}).get("peak_total") or 0 for m in ms),
-                                  default=0)),
-            "comm_bytes": max((m.get("comm_bytes_per_step") or 0.0 for m in ms), default=0.0),
-            "loss": S.mean(last), "wall_s": result.wall_s}
+#: knobs the ZeRO job does not use (greyed out while it runs)
+_DP_ONLY = ("bucket_mb", "dp_mode", "checkpoint")
 
 
 class Explorer(W.VBox):
-    """Data-parallel training, re-run on the warm cluster at every slider change.
+    """Data-parallel / ZeRO training, re-run on the warm cluster at every control change.
 
     Args:
         cluster: a warm :class:`labkit.Cluster` (anything with ``world_size`` and
             ``run(job, config)``).
         base_config: the run everything else comes from (default ``RunConfig()``: the tiny
             GPT, global batch 8, 3 steps).
-        job: what to run; default ``labkit.jobs.train``.
+        job: what runs at ZeRO stage 0 without HSDP; default ``labkit.jobs.train``.
         run_now: run the starting configuration at construction.
         timeline: also show the run's per-rank timeline.
 
     Attributes:
-        controls: dict ``dp``/``micro_batch``/``bucket_mb``/``dp_mode`` → the widget.
+        controls: dict name → widget: ``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``,
+            ``checkpoint``, ``zero_stage`` (0–3), ``prefetch`` (bool; enabled at stage 3
+            only), ``hsdp_replicas`` (``M``, a divisor of dp; 1 = off).
         figures: dict name → ``go.FigureWidget`` (``memory``, ``mfu``, ``comm``, and
             ``timeline`` when shown).
         status: ``ipywidgets.HTML`` status line (errors in red).
-        history: one dict per successful run (see :func:`summarize`), oldest first.
+        history: one dict per successful run, oldest first
+            (:func:`labkit_widgets.explorer_figures.summarize`).
         last_result: the latest ``RunResult``; ``last_error`` the latest exception or None.
         last_latency_s: seconds from the change to the figures being updated.
     """
@@ -119,20 +105,32 @@ class Explorer(W.VBox):
                 value=base.checkpoint, description="recompute",
                 tooltips=["store every activation", "recompute each block in backward",
                           "recompute attention and element-wise ops, keep matmul outputs"],
-                style={"button_width": "72px"})}
+                style={"button_width": "72px"}),
+            "zero_stage": W.ToggleButtons(
+                options=[0, 1, 2, 3], value=0, description="ZeRO",
+                tooltips=["plain data parallelism (16Ψ per rank)", "shard optimizer state",
+                          "+ shard gradients", "+ shard parameters (FSDP)"],
+                style={"button_width": "40px"}),
+            "prefetch": W.Checkbox(value=True, description="prefetch (stage 3)", indent=False),
+            "hsdp_replicas": W.Dropdown(options=[("1 (off)", 1)], value=1,
+                                        description="HSDP M", layout=W.Layout(width="190px"))}
         self._sync_micro(base.micro)
+        self._sync_replicas()
+        self._refresh_enabled()
         self.status = W.HTML(S.status_html("ready"))
-        self.history_html = W.HTML(S.table_html([], _HISTORY_COLUMNS))
-        self.figures = {"memory": go.FigureWidget(_memory_figure()),
-                        "mfu": go.FigureWidget(_mfu_figure()),
-                        "comm": go.FigureWidget(_comm_figure())}
+        self.history_html = W.HTML(S.table_html([], F.HISTORY_COLUMNS))
+        self.figures = {"memory": go.FigureWidget(F.memory_figure()),
+                        "mfu": go.FigureWidget(F.mfu_figure()),
+                        "comm": go.FigureWidget(F.comm_figure())}
         self.timeline = TimelineView() if timeline else None
         if self.timeline is not None:
             self.figures["timeline"] = self.timeline.fig
         for c in self.controls.values():
             c.observe(self._on_change, names="value")
-        self.children = [W.HBox(list(self.controls.values())[:3]),
-                         W.HBox([self.controls["dp_mode"], self.controls["checkpoint"]]),
+        c = self.controls
+        self.children = [W.HBox([c["dp"], c["micro_batch"], c["bucket_mb"]]),
+                         W.HBox([c["dp_mode"], c["checkpoint"]]),
+                         W.HBox([c["zero_stage"], c["prefetch"], c["hsdp_replicas"]]),
                          self.status,
                          W.HBox([self.figures["memory"], self.figures["mfu"]]),
                          self.figures["comm"], *([self.timeline] if self.timeline else []),
@@ -142,10 +140,28 @@ class Explorer(W.VBox):
 
     # -- configuration -------------------------------------------------------------
     def config(self, **overrides) -> RunConfig:
-        """The config the controls describe (``overrides`` win); not validated."""
+        """The ``RunConfig`` the controls describe (``overrides`` win); not validated."""
+        return self._plan(self.base, overrides)[2]
+
+    def job_config(self, **overrides) -> tuple:
+        """``(job, config)`` the controls describe (``overrides`` win), not validated:
+        ``(self.job, RunConfig)`` at ZeRO stage 0 without HSDP, else
+        ``(zero_train, ZeroConfig)``."""
+        job, cfg, _ = self._plan(self.base, overrides)
+        return job, cfg
+
+    def _plan(self, base: RunConfig, overrides: dict) -> tuple:
         vals = {k: c.value for k, c in self.controls.items()}
         vals.update(overrides)
-        return self.base.replace(**vals)
+        z = {k: vals.pop(k) for k in ZERO_CONTROLS}
+        run = base.replace(**vals)
+        if z["zero_stage"] == 0 and z["hsdp_replicas"] == 1:
+            return self.job, run, run
+        from labkit.parallel.zero_config import ZeroConfig
+        from labkit.parallel.zero_jobs import zero_train
+
+        # the ZeRO job applies no recompute policy: count FLOPs without one
+        return zero_train, ZeroConfig(run=run.replace(checkpoint="none"), **z), run
 
     def _micro_options(self, dp: int) -> list:
         gb = self.base.global_batch
@@ -156,53 +172,91 @@ class Explorer(W.VBox):
         slider = self.controls["micro_batch"]
         want = slider.value if want is None else want
         opts = self._micro_options(self.controls["dp"].value)
-        keep = max([o for o in opts if o <= want] or [opts[0]])
+        self._quietly(slider, opts, max([o for o in opts if o <= want] or [opts[0]]))
+
+    def _sync_replicas(self, want: Optional[int] = None) -> None:
+        """HSDP options for the current dp: ``M`` divides dp, labelled ``M × K`` (replica
+        groups × shards); keeps the value if it still divides dp, else 1 (off)."""
+        dd, dp = self.controls["hsdp_replicas"], self.controls["dp"].value
+        want = dd.value if want is None else want
+        opts = [("1 (off)", 1)] + [(f"{m} × {dp // m}", m) for m in S.divisors(dp)[1:]]
+        self._quietly(dd, opts, want if dp % want == 0 else 1)
+
+    def _quietly(self, widget, options, value) -> None:
         quiet, self._quiet = self._quiet, True
         try:
-            slider.options, slider.value = opts, keep
+            widget.options, widget.value = options, value
         finally:
             self._quiet = quiet
 
+    def _refresh_enabled(self) -> None:
+        """Prefetch only at stage 3; the DP-only knobs greyed out while ZeRO runs."""
+        c = self.controls
+        zero = c["zero_stage"].value > 0 or c["hsdp_replicas"].value > 1
+        c["prefetch"].disabled = c["zero_stage"].value != 3
+        for k in _DP_ONLY:
+            c[k].disabled = zero
+
     def set(self, **changes) -> Optional[object]:
-        """Change controls (``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``, ``checkpoint``)
-        and any other
-        ``RunConfig`` field (``global_batch=``, ``steps=`` … go into the base config), then
-        re-run once — the path a slider change takes. An invalid value is reported in the
-        status line (nothing changes, nothing raises). Returns the ``RunResult`` or None."""
+        """Change controls (see :attr:`controls`) and any other ``RunConfig`` field
+        (``global_batch=``, ``steps=`` … go into the base config), then re-run once — the
+        path a control change takes. An invalid value or combination (e.g. ``hsdp_replicas``
+        not dividing dp) is reported in the status line (nothing changes, nothing raises).
+        Returns the ``RunResult`` or None."""
         ctrl = {k: changes.pop(k) for k in list(changes) if k in CONTROLS}
         t0 = time.perf_counter()
         try:
             base = self.base.replace(**changes) if changes else self.base
-            cand = base.replace(**{**{k: c.value for k, c in self.controls.items()}, **ctrl})
-            for k, v in ctrl.items():
-                ok = (v in self._micro_options(cand.parallel.dp) if k == "micro_batch" else
-                      (isinstance(v, (int, float)) and v > 0) if k == "bucket_mb" else
-                      v in self.controls[k].options)
-                if not ok:
-                    cand.validate(self.cluster.world_size)  # labkit's own message first
-                    raise ValueError(f"{k}={v!r} is not one of {list(self.controls[k].options)}")
+            vals = {**{k: c.value for k, c in self.controls.items()}, **ctrl}
+            if "hsdp_replicas" not in ctrl and vals["dp"] % vals["hsdp_replicas"]:
+                vals["hsdp_replicas"] = 1  # as the dp slider does
+            cand = base.replace(**{k: vals[k] for k in RUN_CONTROLS})
+            self._check(ctrl, cand, self._plan(base, vals)[1])
         except ValueError as exc:
             return self._fail(exc, t0)
         self._quiet = True
         try:
             self.base = base
-            if "bucket_mb" in ctrl and float(ctrl["bucket_mb"]) not in self.controls["bucket_mb"].options:
-                bucket = self.controls["bucket_mb"]
+            bucket = self.controls["bucket_mb"]
+            if "bucket_mb" in ctrl and float(ctrl["bucket_mb"]) not in bucket.options:
                 bucket.options = sorted(set(bucket.options) | {float(ctrl["bucket_mb"])})
-            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint"):
+            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint", "zero_stage", "prefetch"):
                 if k in ctrl:
                     self.controls[k].value = float(ctrl[k]) if k == "bucket_mb" else ctrl[k]
             self._sync_micro(ctrl.get("micro_batch"))
+            self._sync_replicas(vals["hsdp_replicas"])
         finally:
             self._quiet = False
         return self.rerun(_t0=t0)
+
+    def _check(self, ctrl: dict, cand: RunConfig, job_cfg) -> None:
+        """Raise ValueError for a control value the widgets cannot take; labkit's own
+        message (``RunConfig`` / ``ZeroConfig.validate``, with the numbers) first."""
+        ws = self.cluster.world_size
+        for k, v in ctrl.items():
+            if k in ZERO_CONTROLS:
+                job_cfg.validate(ws)  # stage 0-3, M divides dp, stage 0 without HSDP
+                ok = isinstance(v, bool) if k == "prefetch" else True
+            elif k == "micro_batch":
+                ok = v in self._micro_options(cand.parallel.dp)
+            elif k == "bucket_mb":
+                ok = isinstance(v, (int, float)) and v > 0
+            else:
+                ok = v in self.controls[k].options
+            if not ok:
+                cand.validate(ws)
+                raise ValueError(f"{k}={v!r} is not one of {list(self.controls[k].options)}")
 
     def _on_change(self, change) -> None:
         if self._quiet:
             return
         t0 = time.perf_counter()
-        if change["owner"] is self.controls["dp"]:
+        owner = change["owner"]
+        if owner is self.controls["dp"]:
             self._sync_micro()
+            self._sync_replicas()
+        if owner is self.controls["prefetch"] and self.controls["zero_stage"].value != 3:
+            return  # only stage 3 prefetches: nothing to re-run
         self.rerun(_t0=t0)
 
     # -- running -------------------------------------------------------------------
@@ -212,10 +266,10 @@ class Explorer(W.VBox):
         t0 = time.perf_counter() if _t0 is None else _t0
         self._set_busy(True)
         try:
-            cfg = self.config()
-            self.status.value = S.status_html(f"running {_describe(cfg)} …", "busy")
+            job, cfg = self.job_config()
+            self.status.value = S.status_html(f"running {F.describe(cfg)} …", "busy")
             cfg.validate(self.cluster.world_size)
-            result = self.cluster.run(self.job, cfg)
+            result = self.cluster.run(job, cfg)
             row = self._show(result)
         except KeyboardInterrupt:
             self.status.value = S.status_html("interrupted", "error")
@@ -225,9 +279,9 @@ class Explorer(W.VBox):
         finally:
             self._set_busy(False)
         self.last_latency_s = row["latency_s"] = time.perf_counter() - t0
-        self.history_html.value = S.table_html(self.history, _HISTORY_COLUMNS)
+        self.history_html.value = S.table_html(self.history, F.HISTORY_COLUMNS)
         self.status.value = S.status_html(
-            f"{_describe(cfg)}: re-run took {result.wall_s:.2f} s on the cluster, figures "
+            f"{F.describe(cfg)}: re-run took {result.wall_s:.2f} s on the cluster, figures "
             f"updated {self.last_latency_s:.2f} s after the change", "ok")
         return result
 
@@ -241,18 +295,20 @@ class Explorer(W.VBox):
     def _set_busy(self, busy: bool) -> None:
         for c in self.controls.values():
             c.disabled = busy
+        if not busy:
+            self._refresh_enabled()
 
     def _show(self, result) -> dict:
         """Redraw every figure from ``result`` in one batch; append the history row."""
-        ms, n = result.metrics, len(result.metrics)
-        row = {"run": len(self.history) + 1, **summarize(result)}
+        ms = result.metrics
+        row = {"run": len(self.history) + 1, **F.summarize(result)}
         prev = self.history[-1]["mfu_pct"] if self.history else None
         with contextlib.ExitStack() as stack:
             for fig in self.figures.values():
                 stack.enter_context(fig.batch_update())
-            _draw_memory(self.figures["memory"], ms)
-            _draw_mfu(self.figures["mfu"], row, prev)
-            _draw_comm(self.figures["comm"], ms, result.config)
+            F.draw_memory(self.figures["memory"], ms)
+            F.draw_mfu(self.figures["mfu"], row, prev)
+            F.draw_comm(self.figures["comm"], ms, result.config)
             if self.timeline is not None:
                 self.timeline.update(result)
         self.last_result, self.last_error = result, None
@@ -271,75 +327,3 @@ class Explorer(W.VBox):
         for name in self.figures:
             display(self.figure(name))
         display(HTML(self.history_html.value))
-
-
-def _describe(cfg: RunConfig) -> str:
-    ckpt = "" if cfg.checkpoint == "none" else f" recompute={cfg.checkpoint}"
-    return (f"dp={cfg.parallel.dp} micro={cfg.micro} bucket={cfg.bucket_mb:g} MiB "
-            f"mode={cfg.dp_mode}{ckpt}")
-
-
-def _memory_figure() -> go.Figure:
-    bars = [go.Bar(name=c, x=[[], []], y=[], marker_color=S.MEMORY_COLORS[c],
-                   hovertemplate=f"{c}: %{{y:.3f}} MiB<br>%{{x}}<extra></extra>")
-            for c in S.MEMORY_CATEGORIES]
-    return go.Figure(bars, dict(
-        barmode="stack", template="plotly_white", height=340, width=620,
-        title=dict(text="peak memory per rank — measured vs predicted (hatched)", font_size=14),
-        yaxis_title="MiB", margin=dict(l=60, r=10, t=50, b=60)))
-
-
-def _draw_memory(fig, metrics: list) -> None:
-    x0 = [f"rank {m.get('rank', r)}" for r, m in enumerate(metrics) for _ in (0, 1)]
-    x1 = ["measured", "predicted"] * len(metrics)
-    for tr, cat in zip(fig.data, S.MEMORY_CATEGORIES):
-        ys = []
-        for m in metrics:
-            pred = m.get("memory_predicted", {})
-            ys += [S.mib(m.get("memory", {}).get("peak", {}).get(cat)),
-                   S.mib(pred[cat]) if cat in pred else None]
-        tr.update(x=[x0, x1], y=ys, marker_pattern_shape=["", "/"] * len(metrics))
-
-
-def _mfu_figure() -> go.Figure:
-    g, e = 100 * S.MFU_GOOD, 100 * S.MFU_EXCELLENT
-    return go.Figure(go.Indicator(
-        mode="gauge+number+delta", value=None, number=dict(suffix=" %", valueformat=".1f"),
-        delta=dict(valueformat=".1f", suffix=" pts"),
-        gauge=dict(axis=dict(range=[0, 100]), bar=dict(color="#333"),
-                   steps=[dict(range=[0, g], color="#F6D5D1"),
-                          dict(range=[g, e], color="#FCEFC7"),
-                          dict(range=[e, 100], color="#D5EFD8")],
-                   threshold=dict(line=dict(color=S.OK_GREEN, width=3), value=e))),
-        dict(height=340, width=330, margin=dict(l=30, r=30, t=80, b=20),
-             title=dict(text="MFU", font_size=14)))
-
-
-def _draw_mfu(fig, row: dict, prev_pct: Optional[float]) -> None:
-    v = row["mfu_pct"]
-    rating = "n/a" if v is None else ("excellent" if v > 100 * S.MFU_EXCELLENT else
-                                      "good" if v > 100 * S.MFU_GOOD else "low")
-    fig.data[0].update(value=v, delta_reference=prev_pct if prev_pct is not None else v)
-    fig.layout.title.text = (f"MFU ({rating}; >30 % good, >40 % excellent)<br>"
-                             f"step {row['step_ms']:.1f} ms")
-
-
-def _comm_figure() -> go.Figure:
-    return go.Figure([
-        go.Bar(name="measured (labkit.comm)", x=[], y=[], marker_color=S.COMM_COLORS["all_reduce"],
-               hovertemplate="%{x}: %{y:.4f} MiB/step measured<extra></extra>"),
-        go.Scatter(name="formula 2(N−1)/N·|θ|·bytes", x=[], y=[], mode="markers",
-                   marker=dict(symbol="line-ew-open", size=70, color="#222", line_width=3),
-                   hovertemplate="%{x}: %{y:.4f} MiB/step predicted<extra></extra>")],
-        dict(template="plotly_white", height=300, yaxis_title="MiB per step",
-             title=dict(text="communication per rank per step", font_size=14),
-             margin=dict(l=60, r=10, t=50, b=40), legend=dict(orientation="h", y=-0.2)))
-
-
-def _draw_comm(fig, metrics: list, cfg) -> None:
-    x = [f"rank {m.get('rank', r)}" for r, m in enumerate(metrics)]
-    fig.data[0].update(x=x, y=[S.mib(m.get("comm_bytes_per_step")) for m in metrics])
-    fig.data[1].update(x=x, y=[S.mib(m.get("comm_bytes_predicted")) for m in metrics])
-    n_params = metrics[0].get("n_params") if metrics else None
-    fig.layout.title.text = (f"communication per rank per step — dp={cfg.parallel.dp}, "
-                             f"{cfg.dp_mode}, |θ| = {S.fmt(n_params, ',')} params")

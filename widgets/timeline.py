@@ -2,7 +2,10 @@
 
 Each rank gets a row: compute spans (forward, backward, optimizer, other) on the row itself
 and communication spans (all-reduce, all-gather, send/recv …) on a thinner lane just below
-it, so a gradient all-reduce running under backward shows as two overlapping bars.
+it, so a gradient all-reduce running under backward shows as two overlapping bars. Time the
+compute thread sat *blocked* on a collective (trace events of category ``"wait"``, e.g.
+FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.fsdp`) is drawn as a
+narrower dark "blocked" bar on top of the compute row: the part of the span not hidden.
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
 name, step, op, the algorithmic bytes it sent and received, and its duration.
 
@@ -25,7 +28,9 @@ __all__ = ["TimelineView", "timeline_traces"]
 
 #: the comm lane sits this far below its rank's compute lane (rank rows are 1 apart)
 COMM_OFFSET = 0.42
-_COMPUTE_WIDTH, _COMM_WIDTH = 0.4, 0.3
+_COMPUTE_WIDTH, _COMM_WIDTH, _BLOCKED_WIDTH = 0.4, 0.3, 0.26
+#: trace-event categories drawn as "blocked" (the compute thread waiting on a collective)
+BLOCKED_CATS = ("wait",)
 
 _COMPUTE_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]}"
                   "<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>%{fullData.name}"
@@ -35,23 +40,39 @@ _COMM_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{custo
                "recv %{customdata[4]}<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)"
                "<extra>%{fullData.name}</extra>")
 
-_FAMILIES = [("compute", fam) for fam in S.COMPUTE_COLORS] + \
+_BLOCKED_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]}"
+                  " · unit %{customdata[2]} · phase %{customdata[8]}<br>blocked "
+                  "%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>blocked</extra>")
+
+# compute families, then "blocked" (drawn over compute), then comm
+_FAMILIES = [("compute", fam) for fam in S.COMPUTE_COLORS] + [("blocked", "blocked")] + \
             [("comm", op) for op in S.COMM_COLORS]
 
 
 def _empty_traces() -> list:
     traces = []
     for kind, fam in _FAMILIES:
-        compute = kind == "compute"
+        compute, blocked = kind == "compute", kind == "blocked"
+        color = (S.BLOCKED_COLOR if blocked else
+                 (S.COMPUTE_COLORS if compute else S.COMM_COLORS)[fam])
         traces.append(go.Bar(
-            name=fam if compute else fam.replace("_", "-"), orientation="h",
-            legendgroup=kind, legendgrouptitle_text=kind,
-            width=_COMPUTE_WIDTH if compute else _COMM_WIDTH,
-            marker=dict(color=(S.COMPUTE_COLORS if compute else S.COMM_COLORS)[fam],
-                        line_width=0),
-            hovertemplate=_COMPUTE_HOVER if compute else _COMM_HOVER,
+            name=fam if compute or blocked else fam.replace("_", "-"), orientation="h",
+            legendgroup="compute" if blocked else kind,
+            legendgrouptitle_text="compute" if blocked else kind,
+            width=_BLOCKED_WIDTH if blocked else _COMPUTE_WIDTH if compute else _COMM_WIDTH,
+            marker=dict(color=color, line_width=0),
+            hovertemplate=(_BLOCKED_HOVER if blocked else
+                           _COMPUTE_HOVER if compute else _COMM_HOVER),
             x=[], y=[], base=[], customdata=[], showlegend=False))
     return traces
+
+
+def _family(e) -> tuple:
+    if e.cat == COMPUTE:
+        return ("compute", S.compute_family(e.name))
+    if e.cat in BLOCKED_CATS:
+        return ("blocked", "blocked")
+    return ("comm", S.comm_family(e.op))
 
 
 def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict], dict]:
@@ -69,16 +90,20 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
     # longest first inside a trace, so nested regions (layers.1.backward in backward) and
     # short collectives draw on top of the spans that contain them
     for e in sorted(events, key=lambda e: -e.duration):
-        is_compute = e.cat == COMPUTE
-        fam = ("compute", S.compute_family(e.name)) if is_compute else ("comm", S.comm_family(e.op))
+        fam = _family(e)
         col = cols[index[fam]]
         start_ms, dur_ms = (e.start - trace.t0) * 1e3, max(e.duration, 0.0) * 1e3
         col["x"].append(dur_ms)
         col["base"].append(start_ms)
-        col["y"].append(row[e.rank] + (0.0 if is_compute else COMM_OFFSET))
-        col["customdata"].append([e.name, e.step, e.op or "–", S.fmt_bytes(e.bytes_sent),
+        col["y"].append(row[e.rank] + (COMM_OFFSET if fam[0] == "comm" else 0.0))
+        if fam[0] == "blocked":  # op / axis slots carry the unit and phase waited for
+            args = e.args or {}
+            extra = [args.get("unit", "–"), args.get("phase", "–")]
+        else:
+            extra = [e.op or "–", e.axis or "–"]
+        col["customdata"].append([e.name, e.step, extra[0], S.fmt_bytes(e.bytes_sent),
                                   S.fmt_bytes(e.bytes_recv), dur_ms, start_ms, e.rank,
-                                  e.axis or "–"])
+                                  extra[1]])
     for c in cols:
         c["showlegend"] = bool(c["x"])
     tickvals, ticktext = [], []

@@ -7,7 +7,7 @@ before backward; reduce-scatter the gradient and free it; each rank updates its 
 are FSDP's (Zhao et al. 2023, "PyTorch FSDP", §3.2–3.3, §4.1):
 
 * **Forward.** A forward pre-hook on the unit's module waits for (or issues) the unit's
-  all-gather into ``flat`` and installs the parameter views (see :mod:`labkit.parallel.zero`);
+  all-gather into ``flat`` and installs the parameter views (see :mod:`labkit.parallel.flat`);
   with ``prefetch`` it then issues the *next* unit's all-gather asynchronously, so the
   transfer runs (gloo's worker thread) while this unit computes. A forward hook frees the
   unit (``flat``'s storage is resized to 0 — the saved views keep pointing at that same
@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import comm
 from ..trace import COMPUTE, Event, current_tracer
-from .zero import FlatUnit, ShardedDataParallel
+from .flat import FlatUnit, ShardedDataParallel
 
 __all__ = ["FullyShardedDataParallel", "hsdp_groups"]
 
@@ -110,6 +110,14 @@ class FullyShardedDataParallel(ShardedDataParallel):
         for u in self.units:  # anything left gathered (e.g. a prefetch never used)
             self._reshard(u)
             u.bw_started = False
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: mixed precision copies the fp32 master shards into
+        the bf16 shards that the next all-gathers send (fp32: the shard is the master)."""
+        if self.mixed_precision:
+            with torch.no_grad():
+                for u in self.units:
+                    u.shard.copy_(u.master)
 
     # -- the six steps -------------------------------------------------------------------
     def _pre_forward_hook(self, u: FlatUnit):

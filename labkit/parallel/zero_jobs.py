@@ -23,20 +23,16 @@ FSDP2 (``impl="torch"``), and reports per rank (bytes, seconds):
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..measure.memory import measure_memory
 from ..models import build_model
-from ..models.data import make_batch
 from ..plan.comm import comm_bytes, dp_step_comm_bytes
 from ..plan.memory import model_state_bytes
 from ..trace import region
-from ..train import _flops_and_mfu, _local_rows, flat_params
+from ..train import flat_params, flops_and_mfu, local_batch, run_steps, steady_step_time
 from .dp import DataParallel, unique_parameters
 from .fsdp import FullyShardedDataParallel, hsdp_groups
 from .zero import ZeroDataParallel
@@ -105,12 +101,8 @@ def zero_train(ctx, cfg: ZeroConfig) -> dict:
         fwd, mem_model = wrapped, wrapped
     micro, accum = run.micro, run.accum_steps
 
-    def step(s: int, mark=lambda label: None) -> float:
-        ctx.tracer.step = s
-        with region("data"):
-            x, y = make_batch(run, s)
-            x, y = _local_rows(x, rank, run.parallel.dp), _local_rows(y, rank, run.parallel.dp)
-            x, y = x.to(device), y.to(device)
+    def step(s: int, mark) -> float:
+        x, y = local_batch(run, s, rank, device)
         total = 0.0
         for m in range(accum):
             if wrapped is not None:
@@ -137,19 +129,7 @@ def zero_train(ctx, cfg: ZeroConfig) -> dict:
             opt.zero_grad(set_to_none=True)
         return total
 
-    losses, times, report = [], [], None
-    mem_step = run.steps - 1 if (run.measure_memory and run.steps >= 3) else None
-    for s in range(run.steps):
-        if s == mem_step:
-            holder: dict = {}
-            report = measure_memory(lambda mark: holder.setdefault("loss", step(s, mark)),
-                                    mem_model, opt, device, track=track)
-            losses.append(holder["loss"])
-            continue
-        t0 = ctx.tracer.now()
-        losses.append(step(s))
-        times.append(ctx.tracer.now() - t0)
-    steady = times[1:] or times or [float("nan")]
+    losses, times, report = run_steps(ctx, run, step, mem_model, opt, device, track=track)
     timed_step = 1 if len(times) > 1 else 0
     k = cfg.shards if stage > 0 else run.parallel.dp
     elem = 2 if cfg.mixed_precision else 4
@@ -157,14 +137,14 @@ def zero_train(ctx, cfg: ZeroConfig) -> dict:
                "shards": k, "replicas": cfg.hsdp_replicas if stage > 0 else 1,
                "prefetch": cfg.prefetch, "keep_last": cfg.keep_last,
                "mixed_precision": cfg.mixed_precision, "model": mc.name, "n_params": n_params,
-               "step_time_s": statistics.median(steady), "step_times": times,
+               "step_time_s": steady_step_time(times), "step_times": times,
                "memory_predicted": {c: int(v) for c, v in model_state_bytes(
                    n_params, k, stage, mixed_precision=cfg.mixed_precision).items()}}
     if cfg.impl == "labkit":
         metrics.update(_comm_metrics(ctx, cfg, wrapped, n_params, k, elem, timed_step))
     if report is not None:
         metrics["memory"] = _memory_metrics(report, cfg, wrapped)
-    metrics.update(_flops_and_mfu(ctx, run, mem_model, metrics["step_time_s"], accum))
+    metrics.update(flops_and_mfu(ctx, run, mem_model, metrics["step_time_s"], accum))
     out = {"losses": losses, "metrics": metrics}
     if run.return_state:
         ctx.tracer.step = -1

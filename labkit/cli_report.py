@@ -1,0 +1,163 @@
+"""What ``labkit run`` prints: a table per rank, measured beside predicted, or JSON.
+
+:func:`render_run` (plain data parallelism, :func:`labkit.train.run`'s metrics): step time,
+MFU, model-state memory beside :mod:`labkit.plan`, all-reduce bytes beside 2(N−1)/N·|θ|·4.
+:func:`render_zero` (:func:`labkit.parallel.zero_jobs.zero_train`'s metrics, ``--zero``):
+memory by category (model state measured beside ``model_state_bytes`` of the stage and
+shard count, activations and other at the peak, the gathered-unit working set beside its
+prediction) and bytes per collective (all-reduce / reduce-scatter / all-gather) beside
+``comm_predicted_by_op``, with the lecture's total (2Ψ / 3Ψ · (K−1)/K · bytes) and, at
+stage 3, the fraction of all-gather time hidden under compute. Sizes in MiB, bytes in B.
+Both launchers (own cluster, torchrun) print through here; rich is imported on use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+__all__ = ["render", "render_run", "render_zero", "run_json", "global_losses", "make_console"]
+
+MiB = 2 ** 20
+#: collectives in the order the ZeRO table lists them
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def render(cfg, outputs: list, info: dict, console=None) -> None:
+    """:func:`render_zero` for a ``ZeroConfig`` run, else :func:`render_run`."""
+    (render_zero if hasattr(cfg, "zero_stage") else render_run)(cfg, outputs, info, console)
+
+
+def global_losses(outputs: list) -> list:
+    """Per-step loss of the global batch: the mean over ranks of each rank's loss."""
+    losses = [o["losses"] for o in outputs]
+    return [sum(ls[s] for ls in losses) / len(losses) for s in range(len(losses[0]))]
+
+
+def run_json(cfg, outputs: list, info: dict) -> dict:
+    """Plain-data report of a run: config, global losses, per-rank losses and metrics."""
+    m0 = outputs[0]["metrics"]
+    return {"model": m0["model"], "n_params": m0["n_params"], "world_size": len(outputs),
+            **info, "config": dataclasses.asdict(cfg), "losses": global_losses(outputs),
+            "ranks": [{"rank": r, "losses": o["losses"], "metrics": o["metrics"]}
+                      for r, o in enumerate(outputs)]}
+
+
+def make_console():
+    """A rich ``Console``: 180 columns when piped (CI logs, tests), the terminal otherwise."""
+    from rich.console import Console
+
+    # piped output (CI logs, tests) gets a fixed, wide layout instead of 80 columns
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+
+
+def _pair(measured, predicted, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    a = "–" if measured is None else fmt.format(measured / scale)
+    b = "–" if predicted is None else fmt.format(predicted / scale)
+    return f"{a} / {b}"
+
+
+def render_run(cfg, outputs: list, info: dict, console=None) -> None:
+    """Print the header line and one table row per rank (shared by both launchers)."""
+    from rich.table import Table
+
+    console = console or make_console()
+    m0 = outputs[0]["metrics"]
+    console.print(f"labkit run · model {m0['model']} · {m0['n_params']:,} params · "
+                  f"world {len(outputs)} · backend {info.get('backend', '?')} · "
+                  f"launcher {info.get('launcher', '?')} · dp_mode {cfg.dp_mode} · "
+                  f"global batch {cfg.global_batch} (micro {cfg.micro} x {cfg.accum_steps}"
+                  f" accum) · steps {cfg.steps}")
+    t = Table(title=None, show_lines=False)
+    t.add_column("rank", justify="right")
+    t.add_column("step ms", justify="right")
+    t.add_column("MFU %", justify="right")
+    for cat in ("params", "grads", "optim"):
+        t.add_column(f"{cat} MiB\nmeas / pred", justify="right")
+    t.add_column("activ. MiB\npeak", justify="right")
+    t.add_column("all-reduce B/step\nmeas / 2(N-1)/N·|θ|·4", justify="right")
+    t.add_column("final loss", justify="right")
+    for r, out in enumerate(outputs):
+        m = out["metrics"]
+        mem = m.get("memory") or {}
+        state, pred = mem.get("model_state", {}), m.get("memory_predicted", {})
+        act = mem.get("peak", {}).get("activations")
+        t.add_row(str(r), f"{m['step_time_s'] * 1e3:.1f}",
+                  "–" if m.get("mfu") is None else f"{100 * m['mfu']:.2f}",
+                  *[_pair(state.get(c), pred.get(c), MiB)
+                    for c in ("parameters", "gradients", "optimizer")],
+                  "–" if act is None else f"{act / MiB:.3f}",
+                  _pair(m.get("comm_bytes_per_step"), m.get("comm_bytes_predicted"),
+                        fmt="{:,.0f}"),
+                  f"{out['losses'][-1]:.4f}")
+    console.print(t)
+    _footer(console, outputs, info)
+
+
+def _footer(console, outputs: list, info: dict) -> None:
+    losses = global_losses(outputs)
+    tail = f" · trace → {info['trace']}" if info.get("trace") else ""
+    console.print(f"global loss (mean over ranks) {losses[0]:.4f} → {losses[-1]:.4f} · "
+                  f"wall {info.get('wall_s', 0.0):.1f} s{tail}")
+
+
+def render_zero(cfg, outputs: list, info: dict, console=None) -> None:
+    """Print a ZeRO / FSDP / HSDP run: a header, memory by category per rank and bytes per
+    collective per rank, each measured beside predicted (``cfg`` is a ``ZeroConfig``)."""
+    from rich.table import Table
+
+    console = console or make_console()
+    run, m0 = cfg.run, outputs[0]["metrics"]
+    stage, k, m = m0["zero_stage"], m0["shards"], m0["replicas"]
+    knobs = f"prefetch {'on' if cfg.prefetch else 'off'}" if stage == 3 else ""
+    prec = "bf16 + fp32 master" if cfg.mixed_precision else "fp32"
+    console.print(f"labkit run · model {m0['model']} · {m0['n_params']:,} params · "
+                  f"world {len(outputs)} · backend {info.get('backend', '?')} · "
+                  f"launcher {info.get('launcher', '?')} · global batch {run.global_batch} "
+                  f"(micro {run.micro} x {run.accum_steps} accum) · steps {run.steps}")
+    console.print(f"ZeRO-{stage} · K={k} shards × M={m} replicas · {prec}"
+                  f"{' · ' + knobs if knobs else ''}")
+    mem = Table(title="memory per rank, MiB (model state: largest over the step / "
+                f"labkit.plan ZeRO-{stage}, K={k})")
+    for col in ("rank", "step ms", "MFU %", "params\nmeas / pred", "grads\nmeas / pred",
+                "optim\nmeas / pred", "activ.\npeak", "other\npeak",
+                "gathered units\nmeas / pred"):
+        mem.add_column(col, justify="right")
+    comm = Table(title="bytes per collective per rank per step, measured / predicted")
+    comm.add_column("rank", justify="right")
+    for op in OPS:
+        comm.add_column(f"{op}\nmeas / pred", justify="right")
+    factor = "3Ψ" if stage == 3 else "2Ψ"
+    comm.add_column(f"total\nmeas / {factor}·(K-1)/K·B", justify="right")
+    comm.add_column("AG hidden\n%", justify="right")
+    for r, out in enumerate(outputs):
+        mt = out["metrics"]
+        mm = mt.get("memory") or {}
+        state, pred, peak = mm.get("model_state", {}), mt.get("memory_predicted", {}), \
+            mm.get("peak", {})
+        ws = mm.get("working_set", {})
+        mem.add_row(str(r), f"{mt['step_time_s'] * 1e3:.1f}",
+                    "–" if mt.get("mfu") is None else f"{100 * mt['mfu']:.2f}",
+                    *[_pair(state.get(c), pred.get(c), MiB)
+                      for c in ("parameters", "gradients", "optimizer")],
+                    *["–" if peak.get(c) is None else f"{peak[c] / MiB:.3f}"
+                      for c in ("activations", "other")],
+                    _pair(ws.get("gathered_units"), ws.get("gathered_units_predicted"), MiB)
+                    if "gathered_units" in ws else "–")
+        meas, pop = mt.get("comm_bytes_by_op") or {}, mt.get("comm_predicted_by_op") or {}
+        hidden = (mt.get("overlap") or {}).get("total")
+        comm.add_row(str(r), *[_pair(meas.get(op), pop.get(op), fmt="{:,.0f}")
+                               if op in meas or op in pop else "–" for op in OPS],
+                     _pair(mt.get("comm_bytes_per_step"), mt.get("comm_bytes_predicted"),
+                           fmt="{:,.0f}"),
+                     "–" if hidden is None else f"{100 * hidden:.1f}")
+    console.print(mem)
+    console.print(comm)
+    saved = m0.get("comm_saved_keep_last") or 0
+    if saved:
+        console.print(f"keep_last: the root unit stays gathered into backward, so its "
+                      f"all-gather ({saved:,.0f} B) is not repeated; the per-op prediction "
+                      f"is the lecture's {factor} minus that")
+    if m > 1:
+        console.print(f"HSDP: the all-reduce of the gradient shards across the M={m} replica "
+                      f"groups (2(M-1)/M·Ψ/K·B) is outside the lecture's {factor} within a group")
+    _footer(console, outputs, info)
