@@ -30,6 +30,7 @@ from labkit.parallel.checkpoint import STRATEGIES, Schedule, formula_counts, mak
 from labkit.parallel.checkpoint_exec import ExecResult, run_schedule
 
 from . import _style as S
+from ._static import StaticFigure
 
 __all__ = ["CheckpointView", "OP_COLORS"]
 
@@ -83,7 +84,7 @@ def _base_figure() -> go.Figure:
     return fig
 
 
-class CheckpointView(W.VBox):
+class CheckpointView(StaticFigure, W.VBox):
     """Replay a checkpoint schedule executed on a real chain of layers.
 
     Args:
@@ -255,24 +256,6 @@ class CheckpointView(W.VBox):
             self.fig.layout.annotations[0].text = (
                 f"after step {k}: {st.action} ({op}) — {len(alive)} stored, "
                 f"{S.fmt_bytes(st.bytes)}")
-
-    # -- static rendering ----------------------------------------------------------
-    def figure(self) -> go.Figure:
-        """A plain ``go.Figure`` snapshot of what is on display."""
-        return go.Figure(self.fig)
-
-    def static(self) -> None:
-        """Display :meth:`figure` (for nbval and for reading a saved notebook)."""
-        from IPython.display import display
-
-        display(self.figure())
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        bundle = dict(S.static_bundle(self.fig))
-        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
-                                                **kwargs) or {})
-        bundle.setdefault("text/plain", repr(self))
-        return bundle
 
     def __repr__(self) -> str:
         s = self.result.schedule if self.result else None

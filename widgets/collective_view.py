@@ -23,6 +23,7 @@ from labkit.collectives import ALGORITHMS, HAND_BUILT, OPS, formula_text
 from labkit.collectives.record import Recording
 
 from . import _style as S
+from ._static import StaticFigure
 
 __all__ = ["CollectiveView", "collective_frame"]
 
@@ -127,7 +128,7 @@ def _base_figure() -> go.FigureWidget:
                     yaxis=dict(showgrid=False, zeroline=False, tickmode="array")))
 
 
-class CollectiveView(W.VBox):
+class CollectiveView(StaticFigure, W.VBox):
     """Controls + one ``FigureWidget`` that animates a collective's recorded steps.
 
     Args:
@@ -302,19 +303,6 @@ class CollectiveView(W.VBox):
         fig.layout.annotations = frame["annotations"]
         fig.update_layout(frame["layout"])
         return fig
-
-    def static(self, step: Optional[int] = None) -> None:
-        """Display :meth:`figure` (for nbval and saved notebooks)."""
-        from IPython.display import display
-
-        display(self.figure(step))
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        bundle = dict(S.static_bundle(self.fig))
-        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
-                                                **kwargs) or {})
-        bundle.setdefault("text/plain", repr(self))
-        return bundle
 
     def __repr__(self) -> str:
         rec = self.recording

@@ -26,6 +26,7 @@ from labkit.parallel.pipeline.schedules import SCHEDULES
 from labkit.parallel.pipeline.simulate import Span, simulate
 
 from . import _style as S
+from ._static import StaticFigure
 
 __all__ = ["PipelineView", "gantt_data", "measured_spans"]
 
@@ -107,7 +108,7 @@ def _base_figure() -> go.Figure:
     return fig
 
 
-class PipelineView(W.VBox):
+class PipelineView(StaticFigure, W.VBox):
     """Measured vs simulated pipeline schedule, with controls that re-run on a cluster.
 
     Args:
@@ -237,23 +238,6 @@ class PipelineView(W.VBox):
     def _on_control(self, _change) -> None:
         if not self._quiet:
             self.rerun()
-
-    def figure(self) -> go.Figure:
-        """A plain ``go.Figure`` snapshot of what is on display."""
-        return go.Figure(self.fig)
-
-    def static(self) -> None:
-        """Display :meth:`figure` (for nbval and for reading a saved notebook)."""
-        from IPython.display import display
-
-        display(self.figure())
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        bundle = dict(S.static_bundle(self.fig))
-        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
-                                                **kwargs) or {})
-        bundle.setdefault("text/plain", repr(self))
-        return bundle
 
     def __repr__(self) -> str:
         c = self.config()

@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 from labkit.trace import COMPUTE, Trace
 
 from . import _style as S
+from ._static import StaticFigure
 
 __all__ = ["TimelineView", "timeline_traces"]
 
@@ -130,7 +131,7 @@ def _base_layout() -> dict:
                 hoverlabel=dict(align="left"))
 
 
-class TimelineView(W.VBox):
+class TimelineView(StaticFigure, W.VBox):
     """A per-rank timeline of one run's recorded events, with a step selector.
 
     Args:
@@ -193,25 +194,6 @@ class TimelineView(W.VBox):
             for tr, col in zip(self.fig.data, cols):
                 tr.update(col)
             self.fig.update_layout(layout)
-
-    # -- static rendering ----------------------------------------------------------
-    def figure(self) -> go.Figure:
-        """A plain ``go.Figure`` snapshot of what is on display (no widget, no kernel)."""
-        return go.Figure(self.fig)
-
-    def static(self) -> None:
-        """Display :meth:`figure` (for nbval and for reading a saved notebook)."""
-        from IPython.display import display
-
-        display(self.figure())
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        # live widget first; the plotly JSON is the fallback a saved notebook can render
-        bundle = dict(S.static_bundle(self.fig))
-        bundle.update(super()._repr_mimebundle_(include=include, exclude=exclude,
-                                                **kwargs) or {})
-        bundle.setdefault("text/plain", repr(self))
-        return bundle
 
     def __repr__(self) -> str:
         return f"TimelineView({self._trace!r}, step={self.step_selector.value})"
