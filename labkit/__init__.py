@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Cluster": "labkit.cluster",
-    "RunResult": "labkit.cluster",
-    "RankError": "labkit.cluster",
+    "RunResult": "labkit.result",
+    "RankError": "labkit.result",
     "Trace": "labkit.trace",
     "Event": "labkit.trace",
     "RunConfig": "labkit.config",

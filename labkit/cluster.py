@@ -23,100 +23,16 @@ import tempfile
 import time
 import types
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
+from .result import RankError, RunResult
 from .trace import Trace
+from .worker import job_reference
 
 __all__ = ["Cluster", "RunResult", "RankError", "job_reference"]
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-
-
-class RankError(RuntimeError):
-    """A rank raised during a job. ``rank`` and ``remote_traceback`` say where and why."""
-
-    def __init__(self, rank: int, remote_traceback: str, job: str = ""):
-        self.rank, self.remote_traceback, self.job = rank, remote_traceback, job
-        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
-        super().__init__(f"rank {rank} failed in job {job}: {last}\n\n"
-                         f"--- remote traceback (rank {rank}) ---\n{remote_traceback}")
-
-
-@dataclass
-class RunResult:
-    """What one ``Cluster.run`` returns.
-
-    Attributes:
-        config: the config the job ran with.
-        outputs: each job rank's return value, indexed by rank.
-        trace: all ranks' events merged (:class:`labkit.trace.Trace`).
-        wall_s: seconds from dispatch to the last result, in the caller.
-    """
-
-    config: Any
-    outputs: list
-    trace: Trace
-    wall_s: float
-    job: str = ""
-
-    @property
-    def world_size(self) -> int:
-        return len(self.outputs)
-
-    @property
-    def metrics(self) -> list:
-        """Per-rank ``output["metrics"]`` for jobs that return a dict with that key."""
-        return [o.get("metrics", {}) if isinstance(o, dict) else {} for o in self.outputs]
-
-    @property
-    def losses(self) -> list:
-        """Rank 0's per-step losses, for jobs that return ``{"losses": [...]}``."""
-        out = self.outputs[0] if self.outputs else None
-        return list(out.get("losses", [])) if isinstance(out, dict) else []
-
-    def __repr__(self) -> str:
-        return (f"RunResult(job={self.job}, ranks={self.world_size}, wall={self.wall_s:.3f} s, "
-                f"{self.trace!r})")
-
-
-def job_reference(job: Union[Callable, str]) -> tuple[str, str]:
-    """``(module, qualname)`` by which a fresh rank process can import ``job``.
-
-    Raises:
-        TypeError: the function lives in ``__main__`` (a notebook cell or a script run
-            directly), is nested or a lambda, or cannot be re-imported by name.
-    """
-    if isinstance(job, str):
-        module, _, qualname = job.partition(":")
-        if not qualname:
-            raise TypeError(f"job string {job!r} must look like 'package.module:function'")
-        return module, qualname
-    module = getattr(job, "__module__", None)
-    qualname = getattr(job, "__qualname__", None) or getattr(job, "__name__", "?")
-    name = getattr(job, "__name__", repr(job))
-    why = None
-    if module in (None, "__main__", "__mp_main__"):
-        why = (f"it was defined in {'a notebook cell' if 'ipykernel' in sys.modules else '__main__'}"
-               " (module '__main__')")
-    elif "<locals>" in qualname or "<lambda>" in qualname:
-        why = "it is a nested function or lambda"
-    else:
-        from .worker import resolve_job
-
-        try:
-            if resolve_job(module, qualname) is not job:
-                why = f"{module}.{qualname} names a different object"
-        except Exception as exc:  # noqa: BLE001 - any import failure means "not importable"
-            why = f"importing {module}.{qualname} failed ({type(exc).__name__}: {exc})"
-    if why:
-        raise TypeError(
-            f"job {name!r} cannot run on the cluster: {why}. Rank processes are fresh Python "
-            f"interpreters that import a job by module and name, so the job must live in an "
-            f"importable file. Move it to a .py file next to the notebook (e.g. my_jobs.py), "
-            f"then `from my_jobs import {name}` and pass that; or use a job from labkit.jobs.")
-    return module, qualname
 
 
 class Cluster:

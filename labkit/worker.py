@@ -21,9 +21,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Union
 
-__all__ = ["RankContext", "worker_main", "resolve_job", "context_from_env"]
+__all__ = ["RankContext", "worker_main", "resolve_job", "job_reference", "context_from_env"]
 
 
 @dataclass
@@ -60,6 +60,42 @@ def resolve_job(module: str, qualname: str):
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def job_reference(job: Union[Callable, str]) -> tuple[str, str]:
+    """``(module, qualname)`` by which a fresh rank process can import ``job``.
+
+    Raises:
+        TypeError: the function lives in ``__main__`` (a notebook cell or a script run
+            directly), is nested or a lambda, or cannot be re-imported by name.
+    """
+    if isinstance(job, str):
+        module, _, qualname = job.partition(":")
+        if not qualname:
+            raise TypeError(f"job string {job!r} must look like 'package.module:function'")
+        return module, qualname
+    module = getattr(job, "__module__", None)
+    qualname = getattr(job, "__qualname__", None) or getattr(job, "__name__", "?")
+    name = getattr(job, "__name__", repr(job))
+    why = None
+    if module in (None, "__main__", "__mp_main__"):
+        why = (f"it was defined in {'a notebook cell' if 'ipykernel' in sys.modules else '__main__'}"
+               " (module '__main__')")
+    elif "<locals>" in qualname or "<lambda>" in qualname:
+        why = "it is a nested function or lambda"
+    else:
+        try:
+            if resolve_job(module, qualname) is not job:
+                why = f"{module}.{qualname} names a different object"
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not importable"
+            why = f"importing {module}.{qualname} failed ({type(exc).__name__}: {exc})"
+    if why:
+        raise TypeError(
+            f"job {name!r} cannot run on the cluster: {why}. Rank processes are fresh Python "
+            f"interpreters that import a job by module and name, so the job must live in an "
+            f"importable file. Move it to a .py file next to the notebook (e.g. my_jobs.py), "
+            f"then `from my_jobs import {name}` and pass that; or use a job from labkit.jobs.")
+    return module, qualname
 
 
 def _watch_parent(parent_pid: int) -> None:
