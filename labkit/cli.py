@@ -7,6 +7,8 @@
   ``--hsdp-replicas M``, ``--no-prefetch``) runs :func:`labkit.parallel.zero_jobs.zero_train`
   and prints memory by category and bytes per collective, measured beside predicted
   (:mod:`labkit.cli_report`).
+* ``labkit run --pp 4 --microbatches 8 --schedule 1f1b`` (:mod:`labkit.cli_pipeline`): bubble
+  measured beside simulated, memory and MFU per rank; not with ``--dp > 1``/``--zero`` yet.
 * ``torchrun --nproc-per-node 2 -m labkit run --dp 2 ...`` runs the same job in-process on
   each torchrun worker (env:// rendezvous), gathers every rank's output to rank 0 and
   prints the same table there.
@@ -26,11 +28,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .cli_report import make_console, render, render_run, run_json
+from . import cli_pipeline
+from .cli_report import make_console, render_run, report, run_json
 
 __all__ = ["main", "build_parser", "render_run", "run_json", "under_torchrun"]
 
-MiB = 2 ** 20
 _BENCH_MODULE = "labkit.collectives.bench"
 
 
@@ -48,9 +50,9 @@ def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"labkit {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{run,plan,bench}", required=True)
 
-    r = sub.add_parser("run", help="train a model data-parallel and print per-rank metrics",
-                       description="Train with --dp ranks (own local cluster, or the torchrun "
-                       "workers when launched by torchrun) and print measured vs predicted.")
+    r = sub.add_parser("run", help="train data-, ZeRO- or pipeline-parallel; per-rank metrics",
+                       description="Train on --dp or --pp ranks (own local cluster, or torchrun's "
+                       "workers under torchrun) and print measured vs predicted.")
     r.add_argument("--dp", type=int, default=None,
                    help="data-parallel ranks (default 1; WORLD_SIZE under torchrun)")
     r.add_argument("--steps", type=int, default=5)
@@ -71,6 +73,7 @@ def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
                    help="ZeRO-3: do not prefetch the next unit's all-gather")
     r.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
     r.add_argument("--json", action="store_true", help="print metrics as JSON, not a table")
+    cli_pipeline.add_arguments(r)
     r.set_defaults(func=cmd_run)
 
     pl = sub.add_parser("plan", help="analytic planning (labkit.plan)")
@@ -131,9 +134,14 @@ def under_torchrun(env=os.environ) -> bool:
 
 
 def _run_config(args, world_size: int):
-    """The RunConfig the arguments describe, validated for ``world_size`` ranks."""
+    """The Run/Zero/PipelineConfig the arguments describe, validated for ``world_size``."""
     from .config import PRESETS, RunConfig
 
+    if cli_pipeline.wants_pipeline(args):
+        try:
+            return cli_pipeline.pipeline_config(args, world_size)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     dp = args.dp
     if dp is None or dp < 1:
         raise UsageError(f"dp must be a positive int, got {dp}")
@@ -160,7 +168,11 @@ def _run_config(args, world_size: int):
 
 
 def _job(cfg):
-    """The job function for ``cfg``: ZeRO's ``zero_train`` or ``labkit.train.run``."""
+    """The job for ``cfg``: the pipeline's, ZeRO's ``zero_train`` or ``labkit.train.run``."""
+    if hasattr(cfg, "schedule"):
+        from .parallel.pipeline.lab import pipeline_train_mfu
+
+        return pipeline_train_mfu
     if hasattr(cfg, "zero_stage"):
         from .parallel.zero_jobs import zero_train
 
@@ -173,14 +185,14 @@ def _job(cfg):
 def cmd_run(args) -> int:
     if under_torchrun():
         return _run_torchrun(args)
-    if args.dp is None:
+    if args.dp is None and not cli_pipeline.wants_pipeline(args):
         args.dp = 1
-    cfg = _run_config(args, args.dp)
+    cfg = _run_config(args, args.pp or args.dp)
     from .cluster import Cluster, RankError
 
     t0 = time.perf_counter()
     try:
-        with Cluster(world_size=args.dp) as cluster:
+        with Cluster(world_size=cfg.parallel.world_size) as cluster:
             result = cluster.run(_job(cfg), cfg)
             backend = cluster.backend
     except (RankError, TimeoutError) as exc:
@@ -190,18 +202,20 @@ def cmd_run(args) -> int:
     if args.trace:
         result.trace.to_chrome(args.trace)
         info["trace"] = args.trace
-    _report(cfg, result.outputs, info, args.json)
+    report(cfg, result.outputs, info, args.json, result.trace)
     return 0
 
 
 def _run_torchrun(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = os.environ.get("RANK", "0") == "0"
-    if args.dp is None:
+    pipe = cli_pipeline.wants_pipeline(args)
+    if args.dp is None and not pipe:
         args.dp = world
     try:
-        if args.dp != world:
-            raise UsageError(f"--dp={args.dp} must equal torchrun's WORLD_SIZE={world} "
+        flag, n = ("--pp", args.pp) if pipe else ("--dp", args.dp)
+        if n is not None and n != world:
+            raise UsageError(f"{flag}={n} must equal torchrun's WORLD_SIZE={world} "
                              f"(nnodes x nproc-per-node)")
         cfg = _run_config(args, world)
     except UsageError as exc:
@@ -220,28 +234,21 @@ def _run_torchrun(args) -> int:
     try:
         with use_tracer(ctx.tracer):
             out = _job(cfg)(ctx, cfg)
-        mine = {"output": out, "events": ctx.tracer.events if args.trace else []}
+        mine = {"output": out, "events": ctx.tracer.events if args.trace or pipe else []}
         gathered = [None] * ctx.world_size if ctx.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=ctx.group)
         if ctx.rank == 0:
             info = {"launcher": "torchrun", "backend": ctx.backend,
                     "wall_s": time.perf_counter() - t0}
+            trace = Trace.merge(g["events"] for g in gathered)
             if args.trace:
-                Trace.merge(g["events"] for g in gathered).to_chrome(args.trace)
+                trace.to_chrome(args.trace)
                 info["trace"] = args.trace
-            _report(cfg, [g["output"] for g in gathered], info, args.json)
+            report(cfg, [g["output"] for g in gathered], info, args.json, trace)
+        dist.barrier(group=ctx.group)  # nobody tears gloo down while rank 0 still receives
     finally:
         dist.destroy_process_group()
     return 0
-
-
-def _report(cfg, outputs: list, info: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(run_json(cfg, outputs, info), default=str))
-    else:
-        render(cfg, outputs, info)
-
-
 
 
 # --------------------------------------------------------------------------- plan

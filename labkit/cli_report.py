@@ -8,18 +8,42 @@ shard count, activations and other at the peak, the gathered-unit working set be
 prediction) and bytes per collective (all-reduce / reduce-scatter / all-gather) beside
 ``comm_predicted_by_op``, with the lecture's total (2Ψ / 3Ψ · (K−1)/K · bytes) and, at
 stage 3, the fraction of all-gather time hidden under compute. Sizes in MiB, bytes in B.
+:func:`render_pipeline` (``--pp``, :func:`labkit.parallel.pipeline.lab.pipeline_report`):
+the bubble measured from the trace beside the simulator, then per rank idle time, peak
+activation memory and in-flight microbatches (measured / simulated), model state and MFU.
 Both launchers (own cluster, torchrun) print through here; rich is imported on use.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
-__all__ = ["render", "render_run", "render_zero", "run_json", "global_losses", "make_console"]
+__all__ = ["report", "render", "render_run", "render_zero", "render_pipeline", "run_json",
+           "global_losses", "make_console"]
 
 MiB = 2 ** 20
 #: collectives in the order the ZeRO table lists them
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def report(cfg, outputs: list, info: dict, as_json: bool = False, trace=None) -> None:
+    """Print a finished run as a table or (``as_json``) one JSON object. A pipeline run
+    (``cfg`` a ``PipelineConfig``) needs the merged ``trace`` for its bubble."""
+    pipe = None
+    if hasattr(cfg, "schedule"):
+        from .parallel.pipeline.lab import pipeline_report
+
+        pipe = pipeline_report(cfg, [o["metrics"] for o in outputs], trace)
+    if as_json:
+        out = run_json(cfg, outputs, info)
+        if pipe is not None:
+            out["pipeline"] = {k: pipe[k] for k in ("summary", "rows")}
+        print(json.dumps(out, default=str))
+    elif pipe is not None:
+        render_pipeline(cfg, outputs, info, pipe)
+    else:
+        render(cfg, outputs, info)
 
 
 def render(cfg, outputs: list, info: dict, console=None) -> None:
@@ -28,8 +52,9 @@ def render(cfg, outputs: list, info: dict, console=None) -> None:
 
 
 def global_losses(outputs: list) -> list:
-    """Per-step loss of the global batch: the mean over ranks of each rank's loss."""
-    losses = [o["losses"] for o in outputs]
+    """Per-step loss of the global batch: the mean over ranks of each rank's loss (ranks
+    that report none, e.g. a pipeline's middle stages, are left out)."""
+    losses = [o["losses"] for o in outputs if o.get("losses")]
     return [sum(ls[s] for ls in losses) / len(losses) for s in range(len(losses[0]))]
 
 
@@ -161,3 +186,56 @@ def render_zero(cfg, outputs: list, info: dict, console=None) -> None:
         console.print(f"HSDP: the all-reduce of the gradient shards across the M={m} replica "
                       f"groups (2(M-1)/M·Ψ/K·B) is outside the lecture's {factor} within a group")
     _footer(console, outputs, info)
+
+
+def render_pipeline(cfg, outputs: list, info: dict, pipe: dict, console=None) -> None:
+    """Print a pipeline run: a header (saying when the model was deepened to one layer per
+    stage), the bubble summary, one row per rank and the bubble / MFU footer. ``pipe`` is
+    :func:`~labkit.parallel.pipeline.lab.pipeline_report`'s answer."""
+    from rich.table import Table
+
+    from .config import preset
+
+    console = console or make_console()
+    m0, s, rep = outputs[0]["metrics"], pipe["summary"], pipe["bubble"]
+    layers = f"{m0['n_layers']} layers"
+    base = preset(cfg.model).n_layers if isinstance(cfg.model, str) else None
+    if cfg.n_layers and base is not None and base != cfg.n_layers:
+        why = " = pp x V, one per stage" if cfg.n_layers == cfg.n_stages else ""
+        layers += f" (preset {cfg.model!r} has {base}; set to {cfg.n_layers}{why})"
+    console.print(f"labkit run · pipeline · model {m0['model']} · {layers} · "
+                  f"{m0['model_params']:,} params · world {len(outputs)} · backend "
+                  f"{info.get('backend', '?')} · launcher {info.get('launcher', '?')}")
+    console.print(f"schedule {cfg.schedule} · P={cfg.pp} M={cfg.microbatches} "
+                  f"V={cfg.stages_per_rank} · global batch {cfg.global_batch} (micro "
+                  f"{cfg.micro} x {cfg.microbatches} microbatches x {cfg.accum_steps} accum) · "
+                  f"steps {cfg.steps} · {rep.flushes} flush(es) measured (step 0 skipped) · "
+                  f"one-way p2p {1e3 * s['p2p_latency_s']:.2f} ms per hop")
+    t = Table(title="per rank, one flush: measured / simulated (simulator fed the measured "
+              "per-stage F/B/W costs + the p2p time per hop)")
+    for col in ("rank", "stages", "step ms", "busy ms", "idle ms\nmeas / sim",
+                "idle %\nmeas / sim", "activ. MiB\npeak meas", "in-flight µb\nmeas / sim",
+                "model state MiB\n4/4/8 B/param", "MFU %"):
+        t.add_column(col, justify="right")
+    for row in pipe["rows"]:
+        ms = row["model_state"] or {}
+        t.add_row(str(row["rank"]), ",".join(map(str, row["stages"] or [])),
+                  f"{row['step_time_s'] * 1e3:.1f}", f"{row['busy_s'] * 1e3:.2f}",
+                  _pair(row["idle_s"], row["predicted_idle_s"], 1e-3, "{:.2f}"),
+                  _pair(row["idle_frac"], row["predicted_idle_frac"], 0.01, "{:.1f}"),
+                  "–" if row["peak_activation_bytes"] is None
+                  else f"{row['peak_activation_bytes'] / MiB:.3f}",
+                  _pair(row["peak_inflight"], row["predicted_inflight"], fmt="{:.0f}"),
+                  "–" if "total" not in ms else f"{ms['total'] / MiB:.3f}",
+                  "–" if row["mfu"] is None else f"{100 * row['mfu']:.2f}")
+    console.print(t)
+    mfu = "–" if s["mfu"] is None else f"{100 * s['mfu']:.2f} %"
+    console.print(f"bubble (idle / total): measured {100 * s['bubble']:.1f} % · simulated "
+                  f"{100 * s['bubble_simulated']:.1f} % · MFU ceiling (1 − bubble): measured "
+                  f"{100 * s['mfu_ceiling']:.1f} % / simulated "
+                  f"{100 * s['mfu_ceiling_simulated']:.1f} % · MFU (all ranks) {mfu}")
+    console.print(rep.summary())
+    losses = global_losses(outputs)
+    tail = f" · trace → {info['trace']}" if info.get("trace") else ""
+    console.print(f"loss (global batch) {losses[0]:.4f} → {losses[-1]:.4f} · wall "
+                  f"{info.get('wall_s', 0.0):.1f} s{tail}")

@@ -176,3 +176,88 @@ def test_torchrun_prints_table_once_and_matches_cluster(cluster_json):
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
     assert [r["metrics"]["comm_bytes_per_step"] for r in theirs["ranks"]] == \
         [r["metrics"]["comm_bytes_predicted"] for r in theirs["ranks"]]
+
+
+# --------------------------------------------------------------------------- --pp
+BUBBLE = re.compile(r"bubble \(idle / total\): measured ([\d.]+) % · simulated ([\d.]+) %")
+
+
+def _pipeline_table(out: str) -> None:
+    """The --pp table: a row per rank, bubble measured beside simulated, memory and MFU."""
+    assert ROW.findall(out) == ["0", "1"], out
+    meas, sim = map(float, BUBBLE.search(out).groups())
+    assert 0 < meas < 100 and 0 < sim < 100
+    assert "1f1b        P=2 M=4 V=1: bubble measured" in out and "simulated" in out
+    assert "activ. MiB" in out and "in-flight µb" in out and "MFU %" in out
+    rows = dict(ZROW.findall(out))
+    for r, first_inflight in (("0", "2"), ("1", "1")):  # 1F1B: rank r holds P − r
+        assert f"{first_inflight} / {first_inflight}" in rows[r], rows[r]
+
+
+@pytest.mark.distributed
+def test_run_pp_prints_measured_and_simulated_bubble():
+    out = _ok(_labkit("-m", "labkit", "run", "--pp", "2", "--microbatches", "4", "--schedule",
+                      "1f1b", "--steps", "2"))
+    assert "labkit run · pipeline · model tiny · 2 layers" in out and "world 2" in out
+    assert "schedule 1f1b · P=2 M=4 V=1" in out and "launcher cluster" in out
+    _pipeline_table(out)
+
+
+@pytest.mark.distributed
+def test_run_pp_under_torchrun():
+    out = _ok(_torchrun("run", "--pp", "2", "--microbatches", "4", "--steps", "2"))
+    assert out.count("labkit run · pipeline") == 1 and "launcher torchrun" in out
+    _pipeline_table(out)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--pp", "2", "--microbatches", "3"], ["global_batch=8", "microbatches=3"]),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3", "--n-layers", "8"],
+     ["virtual_stages=3", "4 layers per rank"]),
+    (["--pp", "4", "--n-layers", "2"], ["4 stages", "n_layers=2", "more stages than layers"]),
+    (["--pp", "2", "--schedule", "dualpipe"], ["unknown schedule 'dualpipe'", "zb-v"]),
+    (["--pp", "2", "--dp", "2"], ["N-D composition is not available yet", "--dp 2"]),
+    (["--pp", "2", "--zero", "3"], ["N-D composition is not available yet", "--zero 3"]),
+    (["--microbatches", "4"], ["--microbatches", "--pp"]),
+    (["--pp", "2", "--micro-batch", "2"], ["--micro-batch 2"]),
+])
+def test_pp_bad_input_exits_2_fast(args, words):
+    t0 = time.perf_counter()
+    proc = _labkit("-m", "labkit", "run", "--steps", "2", *args, timeout=30)
+    assert time.perf_counter() - t0 < 3.0
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    assert all(w in err for w in words), err
+
+
+def test_pp_bad_input_starts_no_process(monkeypatch, capsys):
+    import labkit.cluster
+
+    def boom(*a, **k):
+        raise AssertionError("a Cluster was started for invalid input")
+
+    monkeypatch.setattr(labkit.cluster, "Cluster", boom)
+    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli.main(["run", "--pp", "2", "--microbatches", "3"]) == 2
+    assert "microbatches=3" in capsys.readouterr().err
+
+
+def test_pp_deepens_a_shallow_model_and_counts_every_flop():
+    """tiny (2 layers) at pp=4 gets one layer per stage; the ranks' FLOPs add up to the
+    whole model's for one microbatch (so MFU over the pipeline is the usual MFU)."""
+    from labkit.measure.flops import count_flops
+    from labkit.models import build_model
+    from labkit.models.data import text_batch
+    from labkit.parallel.pipeline.lab import lab_config, stage_flops
+
+    assert lab_config("tiny", pp=2).n_layers is None  # 2 layers already fit
+    for sched, pp, layers in (("1f1b", 4, 4), ("interleaved", 2, 4), ("zb-v", 2, 4)):
+        cfg = lab_config("tiny", pp=pp, microbatches=4, schedule=sched).validate()
+        assert cfg.model_config.n_layers == layers
+        mc = cfg.model_config
+        model = build_model(mc, seed=0)
+        x, y = text_batch(0, cfg.micro, mc.seq_len, 0)
+        whole = count_flops(lambda m=model, x=x, y=y: m(x, y).backward()).total
+        assert sum(stage_flops(cfg, r) for r in range(pp)) == whole

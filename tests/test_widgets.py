@@ -236,7 +236,7 @@ def test_explorer_static_figures():
         assert isinstance(live, BaseFigureWidget) and not isinstance(snap, BaseFigureWidget)
         assert isinstance(snap, go.Figure)
         assert snap.to_dict()["data"] == live.to_dict()["data"]
-    assert set(ex.figures) == {"memory", "mfu", "comm", "timeline"}
+    assert set(ex.figures) == {"memory", "mfu", "comm", "bubble", "timeline"}
     assert list(ex.figure().data[0].x[1][:2]) == ["measured", "predicted"]
 
 
@@ -340,3 +340,62 @@ def test_explorer_zero_stages_real(cluster):
     assert set(ex.last_result.metrics[0]["comm_bytes_by_op"]) == {"reduce_scatter", "all_gather"}
     ex.set(zero_stage=0)
     assert isinstance(ex.last_result.config, RunConfig) and not ex.controls["dp_mode"].disabled
+
+
+def test_explorer_pipeline_real(cluster):
+    """pp=2 runs the pipeline job: bubble measured beside simulated (figure and history),
+    activation memory per rank, MFU; dp/ZeRO are off and combining them is refused in the
+    status line; pp=1 runs data parallelism again."""
+    from labkit.parallel.pipeline import PipelineConfig
+    from labkit_widgets import Explorer
+
+    ex = Explorer(cluster, RunConfig(steps=2, global_batch=8).replace(dp=2), run_now=False)
+    c = ex.controls
+    assert list(c["pp"].options) == [1, 2] and list(c["microbatches"].options) == [1, 2, 4, 8]
+    assert c["microbatches"].disabled and c["schedule"].disabled and not c["dp"].disabled
+    ex.set(pp=2, microbatches=4)
+    assert ex.last_error is None, ex.last_error
+    cfg = ex.last_result.config
+    assert isinstance(cfg, PipelineConfig)
+    assert (cfg.pp, cfg.microbatches, cfg.schedule) == (2, 4, "1f1b")
+    assert c["dp"].value == 1 and c["dp"].disabled and c["zero_stage"].disabled
+    assert not c["microbatches"].disabled and not c["schedule"].disabled
+    meas, sim = ex.figures["bubble"].data
+    assert list(meas.x) == list(sim.x) == ["all ranks", "rank 0", "rank 1"]
+    assert all(0 < y < 100 for y in list(meas.y) + list(sim.y))
+    title = ex.figures["bubble"].layout.title.text
+    assert "measured" in title and "simulated" in title and "1f1b P=2 M=4" in title
+    row = ex.history[-1]
+    assert (row["pp"], row["schedule"], row["microbatches"]) == (2, "1f1b", 4)
+    assert row["bubble_pct"] == pytest.approx(meas.y[0])
+    assert row["bubble_sim_pct"] == pytest.approx(sim.y[0])
+    assert "bubble % meas" in ex.history_html.value and "bubble % sim" in ex.history_html.value
+    mem = _traces(ex.figures["memory"])
+    peaks = [m["peak_activation_bytes"] / 2 ** 20 for m in ex.last_result.metrics]
+    assert list(mem["activations"].y) == pytest.approx(peaks) and min(peaks) > 0
+    assert all(y > 0 for y in mem["parameters"].y)
+    assert row["mfu_pct"] > 0 and ex.figures["mfu"].data[0].value == pytest.approx(row["mfu_pct"])
+    assert "ceiling" in ex.figures["mfu"].layout.title.text
+    print(f"Explorer pp=2 1F1B re-run latency: {ex.last_latency_s:.3f} s")
+    assert 0 < ex.last_latency_s < 60
+    ex.controls["schedule"].value = "gpipe"  # the observe path: GPipe holds all M on rank 0
+    assert ex.last_error is None and ex.last_result.config.schedule == "gpipe"
+    assert [m["peak_inflight"] for m in ex.last_result.metrics] == [4, 4]
+    print(f"Explorer pp=2 warm re-run (schedule change) latency: {ex.last_latency_s:.3f} s")
+    n = len(ex.history)
+    for bad, words in (({"dp": 2}, ["N-D composition is not available yet", "dp=2"]),
+                       ({"zero_stage": 3}, ["N-D composition", "zero_stage=3"]),
+                       ({"microbatches": 3}, ["microbatches=3", "global_batch=8"]),
+                       ({"schedule": "dualpipe"}, ["unknown schedule 'dualpipe'"])):
+        assert ex.set(**bad) is None, bad
+        status = _text(ex.status.value)
+        assert "invalid configuration" in status and all(w in status for w in words), status
+    assert len(ex.history) == n and c["pp"].value == 2 and c["schedule"].value == "gpipe"
+    ex.set(pp=1, dp=2)
+    assert ex.last_error is None and isinstance(ex.last_result.config, RunConfig)
+    assert ex.last_result.config.parallel.dp == 2 and ex.history[-1]["pp"] == 1
+    assert "no pipeline" in ex.figures["bubble"].layout.title.text
+    assert not c["dp"].disabled and c["microbatches"].disabled
+    c["pp"].value = 2  # the slider path: dp goes to 1 quietly, the pipeline runs
+    assert ex.last_error is None and isinstance(ex.last_result.config, PipelineConfig)
+    assert c["dp"].value == 1 and len(ex.history) == n + 2

@@ -6,8 +6,9 @@
 * :class:`CheckpointView` — an activation-checkpointing schedule, step by step, with its
   memory curve.
 * :class:`CollectiveView` — a collective's recorded chunk movements, step by step.
-* :class:`Explorer` — data-parallel knobs that re-run training on a warm ``Cluster`` and
-  show measured memory, MFU and communication beside the formulas.
+* :class:`Explorer` — data-parallel, ZeRO and pipeline knobs that re-run training on a
+  warm ``Cluster`` and show measured memory, MFU, communication and the pipeline bubble
+  beside the formulas and the simulator.
 
 Each view is an ``ipywidgets.VBox`` around plotly ``FigureWidget``\\ s, updated in one
 ``batch_update()`` per change; ``.figure()`` returns a static ``go.Figure`` snapshot and

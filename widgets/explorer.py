@@ -1,19 +1,21 @@
-"""``Explorer``: turn the data-parallel and ZeRO knobs and watch a real re-run answer.
+"""``Explorer``: turn the data-parallel, ZeRO and pipeline knobs, watch a real re-run answer.
 
-Sliders pick the data-parallel degree, the micro-batch, the DDP bucket size and the
-gradient-sync mode; toggles the recompute policy, the ZeRO stage (0–3), FSDP prefetch
-(stage 3 only) and the HSDP replica groups ``M`` (a divisor of dp; 1 = off). Every change
-runs on the warm cluster — a real run, never a formula dressed as a measurement: stage 0
-without HSDP runs ``labkit.jobs.train`` (a ``RunConfig``), anything else
-:func:`labkit.parallel.zero_jobs.zero_train` (a ``ZeroConfig``) — and redraws in one
-``batch_update()`` (figures: :mod:`labkit_widgets.explorer_figures`):
+Sliders and toggles pick dp, the micro-batch, the DDP bucket, the gradient-sync mode, the
+recompute policy, the ZeRO stage (0–3), FSDP prefetch (stage 3 only), the HSDP replica
+groups ``M`` (a divisor of dp; 1 = off), the pipeline degree ``pp`` (1 = off), microbatches
+and schedule. Every change runs on the warm cluster — a real run, never a formula dressed
+as a measurement: stage 0 without HSDP runs ``labkit.jobs.train`` (a ``RunConfig``), other
+ZeRO settings ``zero_train`` (a ``ZeroConfig``), ``pp > 1`` the pipeline executor (a
+``PipelineConfig``; dp and ZeRO off: :mod:`labkit_widgets.explorer_pipeline`) — and redraws
+in one ``batch_update()`` (figures: :mod:`labkit_widgets.explorer_figures`):
 
 * peak memory per rank by category, measured beside the predicted model state,
 * MFU on a gauge with the lecture's bars (30 % good, 40 % excellent) and the step time,
 * bytes per collective per rank per step, measured beside the formula (2Ψ / 3Ψ …),
 * the per-rank timeline of the run (:class:`~labkit_widgets.timeline.TimelineView`),
-* a history table of every configuration tried (with stage, prefetch, replicas and the
-  fraction of all-gather time hidden under compute).
+* the pipeline bubble, measured beside simulated (empty while ``pp = 1``),
+* a history table of every configuration tried (with stage, prefetch, replicas, the
+  fraction of all-gather time hidden under compute, pp, schedule and bubble).
 
 A status line says how long the re-run took; an invalid configuration shows its
 ``ValueError`` there in red instead of raising.
@@ -31,19 +33,16 @@ from labkit.config import RunConfig
 
 from . import _style as S
 from . import explorer_figures as F
+from . import explorer_pipeline as P
+from .explorer_figures import BUCKET_OPTIONS_MB, CHECKPOINT_OPTIONS, DP_MODES  # noqa: F401
 from .timeline import TimelineView
 
 __all__ = ["Explorer", "BUCKET_OPTIONS_MB", "DP_MODES", "ZERO_CONTROLS"]
 
-#: the tiny model's parameters are ~0.4 MB, so buckets below 1 MiB are where things happen
-BUCKET_OPTIONS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
-DP_MODES = ("ddp", "naive", "torch")
 #: controls that are RunConfig fields, and the ZeRO knobs (ZeroConfig fields)
 RUN_CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode", "checkpoint")
 ZERO_CONTROLS = ("zero_stage", "prefetch", "hsdp_replicas")
-CONTROLS = RUN_CONTROLS + ZERO_CONTROLS
-#: activation-checkpointing policies offered (``every`` needs a segment size: use ``set``)
-CHECKPOINT_OPTIONS = ("none", "full", "selective")
+CONTROLS = RUN_CONTROLS + ZERO_CONTROLS + P.PP_CONTROLS
 #: knobs the ZeRO job does not use (greyed out while it runs)
 _DP_ONLY = ("bucket_mb", "dp_mode", "checkpoint")
 
@@ -63,9 +62,10 @@ class Explorer(W.VBox):
     Attributes:
         controls: dict name → widget: ``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``,
             ``checkpoint``, ``zero_stage`` (0–3), ``prefetch`` (bool; enabled at stage 3
-            only), ``hsdp_replicas`` (``M``, a divisor of dp; 1 = off).
-        figures: dict name → ``go.FigureWidget`` (``memory``, ``mfu``, ``comm``, and
-            ``timeline`` when shown).
+            only), ``hsdp_replicas`` (``M``, a divisor of dp; 1 = off), ``pp`` (1 = off),
+            ``microbatches``, ``schedule`` (the last two enabled while ``pp > 1``).
+        figures: dict name → ``go.FigureWidget`` (``memory``, ``mfu``, ``comm``,
+            ``bubble``, and ``timeline`` when shown).
         status: ``ipywidgets.HTML`` status line (errors in red).
         history: one dict per successful run, oldest first
             (:func:`labkit_widgets.explorer_figures.summarize`).
@@ -86,34 +86,9 @@ class Explorer(W.VBox):
         self.last_result = self.last_error = self.last_latency_s = None
         self._quiet = False
         ws, base = cluster.world_size, self.base
-        dps = S.divisors(ws)
-        buckets = sorted(set(BUCKET_OPTIONS_MB) | {float(base.bucket_mb)})
         opts = dict(continuous_update=False, style={"description_width": "70px"})
-        self.controls = {
-            "dp": W.SelectionSlider(options=dps, value=base.parallel.dp if base.parallel.dp
-                                    in dps else ws, description="dp", **opts),
-            "micro_batch": W.SelectionSlider(options=[1], value=1, description="micro-batch",
-                                             **opts),
-            "bucket_mb": W.SelectionSlider(options=buckets, value=float(base.bucket_mb),
-                                           description="bucket MiB", **opts),
-            "dp_mode": W.ToggleButtons(options=list(DP_MODES), value=base.dp_mode
-                                       if base.dp_mode in DP_MODES else "ddp",
-                                       description="sync", style={"button_width": "60px"}),
-            "checkpoint": W.ToggleButtons(
-                options=sorted(set(CHECKPOINT_OPTIONS) | {base.checkpoint},
-                               key=("none", "full", "every", "selective").index),
-                value=base.checkpoint, description="recompute",
-                tooltips=["store every activation", "recompute each block in backward",
-                          "recompute attention and element-wise ops, keep matmul outputs"],
-                style={"button_width": "72px"}),
-            "zero_stage": W.ToggleButtons(
-                options=[0, 1, 2, 3], value=0, description="ZeRO",
-                tooltips=["plain data parallelism (16Ψ per rank)", "shard optimizer state",
-                          "+ shard gradients", "+ shard parameters (FSDP)"],
-                style={"button_width": "40px"}),
-            "prefetch": W.Checkbox(value=True, description="prefetch (stage 3)", indent=False),
-            "hsdp_replicas": W.Dropdown(options=[("1 (off)", 1)], value=1,
-                                        description="HSDP M", layout=W.Layout(width="190px"))}
+        self.controls = {**F.dp_controls(ws, base, opts),
+                         **P.make_controls(ws, base.global_batch, opts)}
         self._sync_micro(base.micro)
         self._sync_replicas()
         self._refresh_enabled()
@@ -121,7 +96,8 @@ class Explorer(W.VBox):
         self.history_html = W.HTML(S.table_html([], F.HISTORY_COLUMNS))
         self.figures = {"memory": go.FigureWidget(F.memory_figure()),
                         "mfu": go.FigureWidget(F.mfu_figure()),
-                        "comm": go.FigureWidget(F.comm_figure())}
+                        "comm": go.FigureWidget(F.comm_figure()),
+                        "bubble": go.FigureWidget(P.bubble_figure())}
         self.timeline = TimelineView() if timeline else None
         if self.timeline is not None:
             self.figures["timeline"] = self.timeline.fig
@@ -131,9 +107,10 @@ class Explorer(W.VBox):
         self.children = [W.HBox([c["dp"], c["micro_batch"], c["bucket_mb"]]),
                          W.HBox([c["dp_mode"], c["checkpoint"]]),
                          W.HBox([c["zero_stage"], c["prefetch"], c["hsdp_replicas"]]),
-                         self.status,
+                         W.HBox([c["pp"], c["microbatches"], c["schedule"]]), self.status,
                          W.HBox([self.figures["memory"], self.figures["mfu"]]),
-                         self.figures["comm"], *([self.timeline] if self.timeline else []),
+                         W.HBox([self.figures["comm"], self.figures["bubble"]]),
+                         *([self.timeline] if self.timeline else []),
                          W.HTML("<b>runs tried</b>"), self.history_html]
         if run_now:
             self.rerun()
@@ -145,8 +122,8 @@ class Explorer(W.VBox):
 
     def job_config(self, **overrides) -> tuple:
         """``(job, config)`` the controls describe (``overrides`` win), not validated:
-        ``(self.job, RunConfig)`` at ZeRO stage 0 without HSDP, else
-        ``(zero_train, ZeroConfig)``."""
+        ``(self.job, RunConfig)`` at ZeRO stage 0 without HSDP, ``(pipeline_train_mfu,
+        PipelineConfig)`` with ``pp > 1``, else ``(zero_train, ZeroConfig)``."""
         job, cfg, _ = self._plan(self.base, overrides)
         return job, cfg
 
@@ -154,7 +131,10 @@ class Explorer(W.VBox):
         vals = {k: c.value for k, c in self.controls.items()}
         vals.update(overrides)
         z = {k: vals.pop(k) for k in ZERO_CONTROLS}
+        pp = {k: vals.pop(k) for k in P.PP_CONTROLS}
         run = base.replace(**vals)
+        if pp["pp"] > 1:
+            return (*P.plan(run, **pp, zero=z), run)
         if z["zero_stage"] == 0 and z["hsdp_replicas"] == 1:
             return self.job, run, run
         from labkit.parallel.zero_config import ZeroConfig
@@ -190,24 +170,27 @@ class Explorer(W.VBox):
             self._quiet = quiet
 
     def _refresh_enabled(self) -> None:
-        """Prefetch only at stage 3; the DP-only knobs greyed out while ZeRO runs."""
+        """Prefetch at stage 3 only; DP-only knobs off under ZeRO; DP/ZeRO off if pp > 1."""
         c = self.controls
         zero = c["zero_stage"].value > 0 or c["hsdp_replicas"].value > 1
-        c["prefetch"].disabled = c["zero_stage"].value != 3
-        for k in _DP_ONLY:
-            c[k].disabled = zero
+        pipe = c["pp"].value > 1
+        c["prefetch"].disabled = c["zero_stage"].value != 3 or pipe
+        for k in _DP_ONLY + ("dp", "micro_batch", "zero_stage", "hsdp_replicas"):
+            c[k].disabled = (zero and k in _DP_ONLY) or pipe
+        c["microbatches"].disabled = c["schedule"].disabled = not pipe
 
     def set(self, **changes) -> Optional[object]:
         """Change controls (see :attr:`controls`) and any other ``RunConfig`` field
         (``global_batch=``, ``steps=`` … go into the base config), then re-run once — the
         path a control change takes. An invalid value or combination (e.g. ``hsdp_replicas``
-        not dividing dp) is reported in the status line (nothing changes, nothing raises).
-        Returns the ``RunResult`` or None."""
+        not dividing dp; ``pp > 1`` with dp > 1 or ZeRO: no N-D composition yet) is reported
+        in the status line (nothing changes, nothing raises). Returns the ``RunResult``."""
         ctrl = {k: changes.pop(k) for k in list(changes) if k in CONTROLS}
         t0 = time.perf_counter()
         try:
             base = self.base.replace(**changes) if changes else self.base
             vals = {**{k: c.value for k, c in self.controls.items()}, **ctrl}
+            P.compose(vals, ctrl)  # pp > 1: dp 1, ZeRO off; asking for both is an error
             if "hsdp_replicas" not in ctrl and vals["dp"] % vals["hsdp_replicas"]:
                 vals["hsdp_replicas"] = 1  # as the dp slider does
             cand = base.replace(**{k: vals[k] for k in RUN_CONTROLS})
@@ -220,11 +203,14 @@ class Explorer(W.VBox):
             bucket = self.controls["bucket_mb"]
             if "bucket_mb" in ctrl and float(ctrl["bucket_mb"]) not in bucket.options:
                 bucket.options = sorted(set(bucket.options) | {float(ctrl["bucket_mb"])})
-            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint", "zero_stage", "prefetch"):
-                if k in ctrl:
-                    self.controls[k].value = float(ctrl[k]) if k == "bucket_mb" else ctrl[k]
+            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint", "zero_stage", "prefetch",
+                      "pp", "schedule"):
+                self.controls[k].value = float(vals[k]) if k == "bucket_mb" else vals[k]
             self._sync_micro(ctrl.get("micro_batch"))
             self._sync_replicas(vals["hsdp_replicas"])
+            ms = P.microbatch_options(base.global_batch)
+            self._quietly(self.controls["microbatches"], ms,
+                          max([m for m in ms if m <= vals["microbatches"]] or [1]))
         finally:
             self._quiet = False
         return self.rerun(_t0=t0)
@@ -233,8 +219,12 @@ class Explorer(W.VBox):
         """Raise ValueError for a control value the widgets cannot take; labkit's own
         message (``RunConfig`` / ``ZeroConfig.validate``, with the numbers) first."""
         ws = self.cluster.world_size
+        if hasattr(job_cfg, "schedule"):
+            job_cfg.validate(ws)  # the pipeline's own message, with the numbers
         for k, v in ctrl.items():
-            if k in ZERO_CONTROLS:
+            if k == "microbatches":
+                ok = v in P.microbatch_options(cand.global_batch)
+            elif k in ZERO_CONTROLS:
                 job_cfg.validate(ws)  # stage 0-3, M divides dp, stage 0 without HSDP
                 ok = isinstance(v, bool) if k == "prefetch" else True
             elif k == "micro_batch":
@@ -252,11 +242,17 @@ class Explorer(W.VBox):
             return
         t0 = time.perf_counter()
         owner = change["owner"]
-        if owner is self.controls["dp"]:
+        c = self.controls
+        if owner is c["pp"] and owner.value > 1:  # no N-D composition yet: dp and ZeRO off
+            for k, off in P.OFF.items():
+                self._quietly(c[k], c[k].options, off)
+        if owner in (c["dp"], c["pp"]):
             self._sync_micro()
             self._sync_replicas()
-        if owner is self.controls["prefetch"] and self.controls["zero_stage"].value != 3:
+        if owner is c["prefetch"] and c["zero_stage"].value != 3:
             return  # only stage 3 prefetches: nothing to re-run
+        if owner in (c["microbatches"], c["schedule"]) and c["pp"].value == 1:
+            return  # the pipeline knobs wait for pp > 1
         self.rerun(_t0=t0)
 
     # -- running -------------------------------------------------------------------
@@ -300,15 +296,20 @@ class Explorer(W.VBox):
 
     def _show(self, result) -> dict:
         """Redraw every figure from ``result`` in one batch; append the history row."""
-        ms = result.metrics
-        row = {"run": len(self.history) + 1, **F.summarize(result)}
+        ms, pipe = result.metrics, P.report(result)  # pipe: None unless a pipeline run
+        row = {"run": len(self.history) + 1,
+               **(F.summarize(result) if pipe is None else P.summarize(result, pipe))}
         prev = self.history[-1]["mfu_pct"] if self.history else None
         with contextlib.ExitStack() as stack:
             for fig in self.figures.values():
                 stack.enter_context(fig.batch_update())
-            F.draw_memory(self.figures["memory"], ms)
-            F.draw_mfu(self.figures["mfu"], row, prev)
-            F.draw_comm(self.figures["comm"], ms, result.config)
+            F.draw_mfu(self.figures["mfu"], row, prev, P.mfu_note(pipe))
+            if pipe is None:
+                F.draw_memory(self.figures["memory"], ms)
+                F.draw_comm(self.figures["comm"], ms, result.config)
+                P.draw_bubble(self.figures["bubble"], None)
+            else:
+                P.draw(self.figures, result, pipe)
             if self.timeline is not None:
                 self.timeline.update(result)
         self.last_result, self.last_error = result, None

@@ -1,4 +1,4 @@
-"""Figures and history rows of the :class:`~labkit_widgets.explorer.Explorer`.
+"""Controls, figures and history rows of the :class:`~labkit_widgets.explorer.Explorer`.
 
 Pure builders and painters: ``*_figure()`` returns an empty ``go.Figure`` with the traces
 the painter fills; ``draw_*(fig, ...)`` swaps their data in place (call it inside the
@@ -11,16 +11,21 @@ and draw MiB and milliseconds.
 * MFU: a gauge with the lecture's bars (30 % good, 40 % excellent) and the step time.
 * communication: bytes per collective per rank per step (all-reduce for DP; reduce-scatter,
   all-gather and HSDP's all-reduce for ZeRO), measured beside the formula (hatched).
+
+Pipeline runs (``pp > 1``) are painted by :mod:`labkit_widgets.explorer_pipeline`; the
+history table has their pp, schedule, microbatches and bubble (measured / simulated).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import ipywidgets as W
 import plotly.graph_objects as go
 
 from . import _style as S
 
-__all__ = ["HISTORY_COLUMNS", "summarize", "describe", "memory_figure", "draw_memory", "mfu_figure",
+__all__ = ["dp_controls", "HISTORY_COLUMNS", "summarize", "describe", "memory_figure",
+           "draw_memory", "mfu_figure",
            "draw_mfu", "comm_figure", "draw_comm", "COMM_OPS"]
 
 #: collectives in the order the communication figure lists them
@@ -36,7 +41,9 @@ HISTORY_COLUMNS = [
     ("bucket MiB", "bucket_mb", lambda v: S.fmt(v, "g")), ("mode", "dp_mode", str),
     ("recompute", "checkpoint", str), ("ZeRO", "zero_stage", str),
     ("prefetch", "prefetch", lambda v: "–" if v is None else ("on" if v else "off")),
-    ("replicas", "replicas", str), ("AG hidden %", "overlap_pct", _pct),
+    ("replicas", "replicas", str), ("AG hidden %", "overlap_pct", _pct), ("pp", "pp", str),
+    ("schedule", "schedule", str), ("M", "microbatches", lambda v: S.fmt(v, "d")),
+    ("bubble % meas", "bubble_pct", _pct), ("bubble % sim", "bubble_sim_pct", _pct),
     ("step ms", "step_ms", lambda v: S.fmt(v, ".1f")), ("MFU %", "mfu_pct", _pct),
     ("HFU %", "hfu_pct", _pct),
     ("peak MiB", "peak_mib", lambda v: S.fmt(v, ".2f")), ("bytes/step", "comm_bytes", S.fmt_bytes),
@@ -63,7 +70,8 @@ def summarize(result) -> dict:
             "zero_stage": stage if zero else 0,
             "prefetch": cfg.prefetch if zero and stage == 3 else None,
             "replicas": cfg.hsdp_replicas if zero else 1,
-            "overlap_pct": None if overlap is None else 100 * overlap,
+            "overlap_pct": None if overlap is None else 100 * overlap, "pp": 1,
+            "schedule": "–", "microbatches": None, "bubble_pct": None, "bubble_sim_pct": None,
             "hfu_pct": None if S.mean(hfus) is None else 100 * S.mean(hfus),
             "step_ms": max((m.get("step_time_s") or 0.0 for m in ms), default=0.0) * 1e3,
             "mfu_pct": None if S.mean(mfus) is None else 100 * S.mean(mfus),
@@ -71,6 +79,46 @@ def summarize(result) -> dict:
                                   default=0)),
             "comm_bytes": max((m.get("comm_bytes_per_step") or 0.0 for m in ms), default=0.0),
             "loss": S.mean(last), "wall_s": result.wall_s}
+
+
+# --------------------------------------------------------------------------- controls
+#: the tiny model's parameters are ~0.4 MB, so buckets below 1 MiB are where things happen
+BUCKET_OPTIONS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
+DP_MODES = ("ddp", "naive", "torch")
+#: activation-checkpointing policies offered (``every`` needs a segment size: use ``set``)
+CHECKPOINT_OPTIONS = ("none", "full", "selective")
+
+
+def dp_controls(ws: int, base, opts: dict) -> dict:
+    """The data-parallel and ZeRO widgets for a cluster of ``ws`` ranks, starting from the
+    ``RunConfig`` ``base`` (micro-batch and HSDP options are filled in by the explorer)."""
+    dps = S.divisors(ws)
+    buckets = sorted(set(BUCKET_OPTIONS_MB) | {float(base.bucket_mb)})
+    return {
+        "dp": W.SelectionSlider(options=dps, value=base.parallel.dp if base.parallel.dp
+                                in dps else ws, description="dp", **opts),
+        "micro_batch": W.SelectionSlider(options=[1], value=1, description="micro-batch",
+                                         **opts),
+        "bucket_mb": W.SelectionSlider(options=buckets, value=float(base.bucket_mb),
+                                       description="bucket MiB", **opts),
+        "dp_mode": W.ToggleButtons(options=list(DP_MODES), value=base.dp_mode
+                                   if base.dp_mode in DP_MODES else "ddp",
+                                   description="sync", style={"button_width": "60px"}),
+        "checkpoint": W.ToggleButtons(
+            options=sorted(set(CHECKPOINT_OPTIONS) | {base.checkpoint},
+                           key=("none", "full", "every", "selective").index),
+            value=base.checkpoint, description="recompute",
+            tooltips=["store every activation", "recompute each block in backward",
+                      "recompute attention and element-wise ops, keep matmul outputs"],
+            style={"button_width": "72px"}),
+        "zero_stage": W.ToggleButtons(
+            options=[0, 1, 2, 3], value=0, description="ZeRO",
+            tooltips=["plain data parallelism (16Ψ per rank)", "shard optimizer state",
+                      "+ shard gradients", "+ shard parameters (FSDP)"],
+            style={"button_width": "40px"}),
+        "prefetch": W.Checkbox(value=True, description="prefetch (stage 3)", indent=False),
+        "hsdp_replicas": W.Dropdown(options=[("1 (off)", 1)], value=1,
+                                    description="HSDP M", layout=W.Layout(width="190px"))}
 
 
 # --------------------------------------------------------------------------- memory
@@ -121,14 +169,15 @@ def mfu_figure() -> go.Figure:
              title=dict(text="MFU", font_size=14)))
 
 
-def draw_mfu(fig, row: dict, prev_pct: Optional[float]) -> None:
-    """Show ``row["mfu_pct"]`` with the change from ``prev_pct`` and the step time."""
+def draw_mfu(fig, row: dict, prev_pct: Optional[float], note: str = "") -> None:
+    """Show ``row["mfu_pct"]`` with the change from ``prev_pct``, the step time and
+    ``note`` (a last title line, e.g. a pipeline's MFU ceiling)."""
     v = row["mfu_pct"]
     rating = "n/a" if v is None else ("excellent" if v > 100 * S.MFU_EXCELLENT else
                                       "good" if v > 100 * S.MFU_GOOD else "low")
     fig.data[0].update(value=v, delta_reference=prev_pct if prev_pct is not None else v)
     fig.layout.title.text = (f"MFU ({rating}; >30 % good, >40 % excellent)<br>"
-                             f"step {row['step_ms']:.1f} ms")
+                             f"step {row['step_ms']:.1f} ms{'<br>' + note if note else ''}")
 
 
 # --------------------------------------------------------------------------- comm
@@ -184,7 +233,11 @@ def draw_comm(fig, metrics: list, cfg) -> None:
 
 
 def describe(cfg) -> str:
-    """One line naming a ``RunConfig`` or ``ZeroConfig`` (the status line's words)."""
+    """One line naming a ``RunConfig``, ``ZeroConfig`` or ``PipelineConfig`` (the status
+    line's words)."""
+    if hasattr(cfg, "schedule"):
+        return (f"pp={cfg.pp} {cfg.schedule} M={cfg.microbatches} V={cfg.stages_per_rank} "
+                f"({cfg.model_config.n_layers} layers; dp/ZeRO off: no N-D composition yet)")
     run = getattr(cfg, "run", cfg)
     if run is not cfg:  # a ZeroConfig
         pf = f" prefetch={'on' if cfg.prefetch else 'off'}" if cfg.zero_stage == 3 else ""

@@ -26,14 +26,14 @@ def test_tour_dp_slider_reruns_and_redraws(jupyter_server, browser_page, artifac
     open_notebook(page, jupyter_server, "00_tour.ipynb", timeout=120)
     run_all(page, timeout=300)
     assert slider_value(page, "dp") == "4"
-    comm = _plot_index(page, "communication per rank")
+    comm = _plot_index(page, "all-reduce per rank per step")
     before = plot_data(page, comm)
-    assert [round(v, 6) for v in before[0]["y"]] and len(before[0]["x"]) == 4  # 4 ranks
+    assert [round(v, 6) for v in before[0]["y"]] and len(before[0]["x"][0]) == 4  # 4 ranks
     assert move_slider(page, "dp", -1) == "2"
     after = wait_plot_change(page, before, comm, timeout=120,
-                             until=lambda d: d and len(d[0]["x"]) == 2)
+                             until=lambda d: d and len(d[0]["x"][0]) == 2)
     measured, formula = after[0]["y"], after[1]["y"]
-    assert after[0]["x"] == ["rank 0", "rank 1"]
+    assert after[0]["x"] == [["rank 0", "rank 1"], ["all_reduce", "all_reduce"]]
     assert measured != before[0]["y"][:2]           # new values, not a relabel
     assert measured == pytest.approx(formula)        # 2(N-1)/N·|θ|·4 for N=2
     title = page.evaluate(f"(i) => document.querySelectorAll('.js-plotly-plot')[i]"

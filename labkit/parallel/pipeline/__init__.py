@@ -10,6 +10,8 @@
   (``torch.distributed.pipelining``, for parity and speed) and ``reference`` (one process);
 * :mod:`.bubble` — bubble, per-rank idle and MFU ceiling measured from a run's trace,
   beside the simulator fed the measured costs.
+* :mod:`.lab` — what ``labkit run --pp`` and the explorer run and show: a config deep
+  enough for its stages, ``pipeline_train`` plus FLOPs and MFU, the per-rank report.
 
 Importing this package does not import torch (the executor and jobs do, when imported).
 """
