@@ -263,6 +263,11 @@ def flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> d
                 ctx.device, torch.float32, ranks=ctx.world_size,
                 barrier=lambda: comm.barrier(ctx.group))
     peak = ctx.cache[peak_key]
+    if peak and not ctx.is_cuda and hw_flops / step_time > peak:
+        # faster than the ceiling: the calibration was disturbed (it can only read low).
+        # Measure again on this rank alone; the cache keeps the larger value.
+        peak = ctx.cache[peak_key] = device_peak_flops(
+            ctx.device, torch.float32, ranks=ctx.world_size, refresh=True)
     out["peak_flops"] = peak
     if peak:
         rep = mfu_report(flops, step_time, peak, 1, hardware_flops_per_step=hw_flops)

@@ -30,6 +30,14 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Calibrate CPU peaks into a cache private to this test session (rank processes inherit
+    the variable), so a value measured earlier on a busy machine cannot skew MFU here."""
+    import tempfile
+
+    os.environ.setdefault("LABKIT_CACHE_DIR", tempfile.mkdtemp(prefix="labkit-test-cache-"))
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 ARTIFACTS_DIR = REPO_ROOT / "tests" / "artifacts"
 CHROMIUM = os.environ.get("LABKIT_CHROMIUM", "/usr/bin/chromium")

@@ -230,3 +230,23 @@ def test_memory_by_category_mlp_adam_fp32():  # claim C10 (fp32 split 4Ψ/4Ψ/8�
     r2 = measure_memory(lambda: (model(x).sum().backward(), opt.step()), model, opt, "cpu")
     assert r2.peak["optimizer"] == r.peak["optimizer"]
     assert r2.peak["gradients"] == 4 * psi
+
+
+def test_cpu_calibration_cache_keeps_the_ceiling(tmp_path, monkeypatch):
+    """A disturbed calibration reads low; a refresh replaces a low cached value, never a
+    higher one (a peak is a ceiling)."""
+    import json
+
+    from labkit.measure.peak import cache_path
+
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    real = calibrate_cpu_peak(n=64, seconds=0.05)
+    key, = json.loads(cache_path().read_text())
+    cache_path().write_text(json.dumps({key: real / 1000}))      # as if measured under load
+    assert calibrate_cpu_peak(n=64, seconds=0.05) == real / 1000   # cached, not re-measured
+    fresh = calibrate_cpu_peak(n=64, seconds=0.05, refresh=True)
+    assert fresh > real / 1000
+    assert json.loads(cache_path().read_text())[key] == fresh
+    cache_path().write_text(json.dumps({key: real * 1000}))
+    calibrate_cpu_peak(n=64, seconds=0.05, refresh=True)
+    assert json.loads(cache_path().read_text())[key] == real * 1000
