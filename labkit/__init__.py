@@ -32,3 +32,8 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"labkit.{name}")
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    # the lazy names must show up in dir() and in a notebook's tab completion
+    return sorted(set(globals()) | set(__all__))

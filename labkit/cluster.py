@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import types
+import warnings
 import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
@@ -205,7 +206,8 @@ class Cluster:
             pass
 
     def __repr__(self) -> str:
-        state = "warm" if self._ready else ("starting" if self._procs else "closed")
+        state = ("closed" if not self._procs else "starting" if not self._ready
+                 else "warm" if self.alive else "broken: a rank exited; the next run restarts")
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device!r}, {state})")
 
@@ -249,6 +251,12 @@ class Cluster:
         timeout_s = timeout_s or getattr(config, "timeout_s", None) or self.timeout_s
         if not self._procs:
             self._start()
+        elif self._ready and not self.alive:
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs)
+                    if not p.is_alive()]
+            warnings.warn(f"labkit: {', '.join(dead)} exited while the cluster was idle; "
+                          "restarting the pool before this run", RuntimeWarning, stacklevel=2)
+            self.restart()
         name = f"{module}.{qualname}"
         try:
             self._wait_ready()

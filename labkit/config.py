@@ -223,6 +223,13 @@ class RunConfig:
                              "(labkit.plan); train 'tiny', 'small' or 'gpt2-124m'")
         self.parallel.validate()
         p = self.parallel
+        others = {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1}
+        if others:
+            raise ValueError(
+                f"{', '.join(f'{k}={v}' for k, v in others.items())}: the training job runs "
+                "data parallelism only (dp, ZeRO through labkit.parallel.zero_jobs); N-D "
+                "composition is not available yet, and pipelines use "
+                "labkit.parallel.pipeline (labkit run --pp)")
         if world_size is not None:
             if p.world_size > world_size:
                 raise ValueError(f"parallel degrees need {p.world_size} ranks "
@@ -235,7 +242,9 @@ class RunConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
-        if self.global_batch < 1 or self.global_batch % p.dp:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.global_batch % p.dp:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={p.dp}: "
                              "every data-parallel rank needs the same number of samples")
         if self.global_batch % (p.dp * self.micro):

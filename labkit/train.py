@@ -77,25 +77,28 @@ def run_steps(ctx, cfg: RunConfig, step_fn: Callable, model, opt, device,
 
     ``step_fn(s, mark)`` runs step ``s`` and returns its loss (a float); ``mark(label)``
     records a memory snapshot (a no-op outside the tracked step). ``ctx.tracer.step`` is set
-    to ``s`` before each step. With ``cfg.measure_memory`` and at least 3 steps, the last
-    step runs under :func:`labkit.measure.memory.measure_memory` (``model``, ``opt``,
-    ``device`` and the extra ``track`` tensors are what it tracks) and is not timed.
+    to ``s`` before each step. With ``cfg.measure_memory`` the last step runs under
+    :func:`labkit.measure.memory.measure_memory` (``model``, ``opt``, ``device`` and the
+    extra ``track`` tensors are what it tracks) and is not timed, unless it is the only step:
+    then it is timed as well, tracker overhead and first-step allocation included.
 
     Returns:
         ``(losses, times, memory_report)``: ``losses[s]`` per step (every step),
         ``times`` in seconds from the tracer's clock (the untracked steps, in order), and the
-        :class:`~labkit.measure.memory.MemoryReport` or ``None`` when no step was tracked
-        (memory off, or fewer than 3 steps).
+        :class:`~labkit.measure.memory.MemoryReport` or ``None`` when memory is off.
     """
     losses, times, report = [], [], None
-    mem_step = cfg.steps - 1 if (cfg.measure_memory and cfg.steps >= 3) else None
+    mem_step = cfg.steps - 1 if cfg.measure_memory else None
     for s in range(cfg.steps):
         ctx.tracer.step = s
         if s == mem_step:
             holder: dict = {}
+            t0 = ctx.tracer.now()
             report = measure_memory(lambda mark: holder.setdefault("loss", step_fn(s, mark)),
                                     model, opt, device, track=track)
             losses.append(holder["loss"])
+            if cfg.steps == 1:
+                times.append(ctx.tracer.now() - t0)
             continue
         t0 = ctx.tracer.now()
         losses.append(step_fn(s, lambda label: None))
@@ -155,8 +158,6 @@ def run(ctx, cfg: RunConfig) -> dict:
         return total
 
     losses, times, report = run_steps(ctx, cfg, step, model, opt, device)
-    if cfg.measure_memory and report is None:  # too few steps to spare one: measure after
-        report = measure_memory(lambda mark: None, model, opt, device)
     step_time = steady_step_time(times)
     timed_step = 1 if len(times) > 1 else 0
 
@@ -263,9 +264,10 @@ def flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> d
                 ctx.device, torch.float32, ranks=ctx.world_size,
                 barrier=lambda: comm.barrier(ctx.group))
     peak = ctx.cache[peak_key]
-    if peak and not ctx.is_cuda and hw_flops / step_time > peak:
+    if peak and not ctx.is_cuda and ctx.world_size == 1 and hw_flops / step_time > peak:
         # faster than the ceiling: the calibration was disturbed (it can only read low).
-        # Measure again on this rank alone; the cache keeps the larger value.
+        # Measure again; the cache keeps the larger value. (With several ranks the
+        # calibration must run on all of them at once, so only a lone rank re-measures.)
         peak = ctx.cache[peak_key] = device_peak_flops(
             ctx.device, torch.float32, ranks=ctx.world_size, refresh=True)
     out["peak_flops"] = peak

@@ -54,9 +54,24 @@ class RankContext:
         return getattr(self.device, "type", "cpu") == "cuda"
 
 
-def resolve_job(module: str, qualname: str):
-    """Import ``module`` and walk ``qualname`` to the job function."""
+_LOADED: dict = {}  # module name -> source mtime when this rank imported it
+
+
+def resolve_job(module: str, qualname: str, reload_changed: bool = False):
+    """Import ``module`` and walk ``qualname`` to the job function.
+
+    With ``reload_changed`` (what ranks use), a module whose source file changed since this
+    process imported it is reloaded, so editing a job file next to the notebook takes effect
+    on the warm ranks without a restart. Only the job's own module is reloaded, not the
+    modules it imports.
+    """
     obj = importlib.import_module(module)
+    if reload_changed:
+        path = getattr(obj, "__file__", None)
+        mtime = os.path.getmtime(path) if path and os.path.exists(path) else None
+        if module in _LOADED and mtime is not None and mtime != _LOADED[module]:
+            obj = importlib.reload(obj)
+        _LOADED[module] = mtime
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
@@ -77,12 +92,18 @@ def job_reference(job: Union[Callable, str]) -> tuple[str, str]:
     module = getattr(job, "__module__", None)
     qualname = getattr(job, "__qualname__", None) or getattr(job, "__name__", "?")
     name = getattr(job, "__name__", repr(job))
+    import_as = name  # what the advice tells the user to import
     why = None
+    if not callable(job):
+        raise TypeError(f"job must be a function or 'module:function', got {type(job).__name__}")
     if module in (None, "__main__", "__mp_main__"):
         why = (f"it was defined in {'a notebook cell' if 'ipykernel' in sys.modules else '__main__'}"
                " (module '__main__')")
-    elif "<locals>" in qualname or "<lambda>" in qualname:
-        why = "it is a nested function or lambda"
+    elif "<lambda>" in qualname:
+        why = "it is a lambda, which has no name the ranks could import"
+        import_as = "my_job"
+    elif "<locals>" in qualname:
+        why = "it is a nested function"
     else:
         try:
             if resolve_job(module, qualname) is not job:
@@ -94,7 +115,8 @@ def job_reference(job: Union[Callable, str]) -> tuple[str, str]:
             f"job {name!r} cannot run on the cluster: {why}. Rank processes are fresh Python "
             f"interpreters that import a job by module and name, so the job must live in an "
             f"importable file. Move it to a .py file next to the notebook (e.g. my_jobs.py), "
-            f"then `from my_jobs import {name}` and pass that; or use a job from labkit.jobs.")
+            f"then `from my_jobs import {import_as}` and pass that; or use a job from "
+            f"labkit.jobs.")
     return module, qualname
 
 
@@ -152,7 +174,7 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
             if rank >= nranks:
                 conn.send(("idle", job_id, rank, None))
                 continue
-            job = resolve_job(module, qualname)
+            job = resolve_job(module, qualname, reload_changed=True)
             tracer = Tracer(rank, device)
             ctx = RankContext(rank, nranks, device, groups[nranks], backend, tracer, cache)
             with use_tracer(tracer):

@@ -145,3 +145,28 @@ def test_no_rank_processes_left_behind(tmp_path, mode):
     pids = [int(p) for line in proc.stdout.split("\n") for p in line.split()]
     assert len(pids) == (4 if mode == "recreate" else 2), proc.stderr
     assert _gone(pids), f"rank processes still alive after {mode}"
+
+
+def test_rank_that_died_while_idle_is_replaced(cluster2):
+    cluster2.run(jobs.hello)
+    os.kill(cluster2.pids[1], signal.SIGKILL)
+    time.sleep(0.5)
+    assert "broken" in repr(cluster2)
+    with pytest.warns(RuntimeWarning, match="rank 1 .* exited while the cluster was idle"):
+        assert cluster2.run(jobs.hello).outputs[1]["rank_sum"] == 1.0
+
+
+def test_edited_job_module_is_reloaded_on_warm_ranks(cluster2, tmp_path, monkeypatch):
+    mod = tmp_path / "editable_job_mod.py"
+    mod.write_text("def job(ctx, cfg):\n    return 'first'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    import editable_job_mod
+    cluster2.restart()  # the ranks must see tmp_path on sys.path: start them after it is set
+    old = cluster2.run(editable_job_mod.job).outputs
+    time.sleep(1.1)  # a new mtime, even on filesystems with 1 s resolution
+    mod.write_text("def job(ctx, cfg):\n    return 'second'\n")
+    editable_job_mod = importlib.reload(editable_job_mod)
+    assert old == ["first", "first"]
+    assert cluster2.run(editable_job_mod.job).outputs == ["second", "second"]

@@ -51,3 +51,20 @@ def test_cluster_validates_before_launch(cluster2):
     with pytest.raises(ValueError, match="dp=4"):
         cluster2.run(jobs.train, RunConfig().replace(dp=4))
     assert cluster2.pids == pids  # nothing was restarted
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
+def test_other_axes_are_refused_by_the_dp_job(axis):
+    with pytest.raises(ValueError, match=rf"{axis}=2: .*N-D composition is not available"):
+        RunConfig(global_batch=8).replace(dp=2, **{axis: 2}).validate(4)
+
+
+def test_zero_global_batch_message():
+    with pytest.raises(ValueError, match="global_batch must be >= 1, got 0"):
+        RunConfig(global_batch=0).validate(4)
+
+
+def test_public_names_are_listed_for_tab_completion():
+    import labkit
+
+    assert {"Cluster", "RunConfig", "jobs", "RankError"} <= set(dir(labkit))

@@ -143,3 +143,12 @@ def test_checkpointed_dp_matches_plain_reference_and_hfu_exceeds_mfu(cluster4):
         cfg.replace(checkpoint="sometimes").validate(4)
     with pytest.raises(ValueError, match="checkpoint_every=3 .* n_layers=2"):
         cfg.replace(checkpoint="every", checkpoint_every=3).validate(4)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_memory_is_measured_in_a_real_step_even_for_short_runs(cluster4, steps):
+    cfg = RunConfig(steps=steps, global_batch=8, count_flops=False).replace(dp=2)
+    m = cluster4.run(jobs.train, cfg).metrics[0]
+    assert m["memory"]["peak"]["activations"] > 0
+    assert m["memory"]["model_state"]["gradients"] == m["memory_predicted"]["gradients"]
+    assert m["step_time_s"] > 0
