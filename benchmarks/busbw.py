@@ -1,7 +1,7 @@
 """Bus bandwidth of the hand-built ring all-reduce against native gloo (issue 3, §3).
 
 Runs ``labkit bench collectives`` with its defaults — all-reduce, world sizes 2 and 4,
-1 KiB … 64 MiB in powers of 4, native and ring side by side, 5 interleaved rounds per
+1 KiB … 64 MiB in powers of 4, native and ring side by side, 8 interleaved rounds per
 point (median) — and prints the table, then one line per size of 16 MiB and above:
 
     RESULT ring_vs_native_busbw_16MiB <lowest ratio over the world sizes>
@@ -9,8 +9,9 @@ point (median) — and prints the table, then one line per size of 16 MiB and ab
 
 Goal: ratio >= 0.8. busbw is nccl-tests' definition (``labkit.collectives.bench``). The
 numbers are wall-clock timings of rank processes sharing the machine's cores: run it on an
-otherwise idle machine (the load average is printed first). Any ``labkit bench
-collectives`` option may be passed through (e.g. ``--world-size 8``).
+otherwise idle machine (the load average is printed first). Each ratio's 90 % bootstrap
+interval over the rounds follows; on a busy 2-core machine one run's ratio moves by ±30 %.
+Any ``labkit bench collectives`` option may be passed through (e.g. ``--world-size 8``).
 """
 from __future__ import annotations
 
