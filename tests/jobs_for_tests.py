@@ -41,3 +41,13 @@ def gradients(ctx, cfg) -> dict:
     model(rows[ctx.rank:ctx.rank + 1]).pow(2).mean().backward()
     model.finish_gradient_sync()
     return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def mean_of_two_rows_gradient() -> dict:
+    """Single-process reference for the mean-not-sum checks: the gradient of the mean loss
+    over both rows that ``gradients`` (and ZeRO's ``zero_gradients``) split one per rank."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 1)
+    rows = torch.tensor([[1.0, 2.0, 3.0], [-4.0, 5.0, 0.5]])
+    lin(rows).pow(2).mean().backward()
+    return {"weight": lin.weight.grad, "bias": lin.bias.grad}
