@@ -235,6 +235,7 @@ def render_pipeline(cfg, outputs: list, info: dict, pipe: dict, console=None) ->
                   f"{100 * s['mfu_ceiling']:.1f} % / simulated "
                   f"{100 * s['mfu_ceiling_simulated']:.1f} % · MFU (all ranks) {mfu}")
     console.print(rep.summary())
+    console.print(f"bubble, rung by rung: {rep.ladder_text()}")
     losses = global_losses(outputs)
     tail = f" · trace → {info['trace']}" if info.get("trace") else ""
     console.print(f"loss (global batch) {losses[0]:.4f} → {losses[-1]:.4f} · wall "

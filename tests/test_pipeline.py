@@ -8,7 +8,7 @@ import torch
 from labkit.config import ModelConfig
 from labkit.parallel.pipeline import jobs as pj
 from labkit.parallel.pipeline.bubble import measure_bubble
-from labkit.parallel.pipeline.config import PipelineConfig
+from labkit.parallel.pipeline.config import PP_BALANCED, PipelineConfig
 
 TOL = 1e-5  # fp32 parity tolerance (DESIGN.md §4)
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
@@ -127,7 +127,36 @@ def test_bubble_measured_beside_simulation(cluster4):
     # its own span lengths with free communication; the fitted per-hop delay closes the gap
     assert rep.bubble >= rep.replayed_bubble - 1e-9
     assert rep.fitted_comm_s >= 0
+    assert rep.hop_s > 0 and rep.dispatch_s > 0
+    assert [name for name, _ in rep.ladder][0] == "unit costs"
+    assert rep.ladder[0][1] == pytest.approx(3 / 7)  # (P−1)/(M+P−1)
     assert [row["rank"] for row in rep.rows()] == [0, 1, 2, 3]
+
+
+def _bubble_gap(cluster, schedule: str, m: int):
+    cfg = PipelineConfig(model=PP_BALANCED, pp=4, microbatches=m, schedule=schedule,
+                         global_batch=2 * m, steps=9, timeout_s=300)
+    r = cluster.run(pj.pipeline_train, cfg)
+    return measure_bubble(r.trace, cfg.build_schedule(), comm=r.metrics[0]["p2p_latency_s"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_bubble_within_3pp_of_simulation_p4(cluster4, schedule):
+    """Issue #6 §3: balanced stages (2 layers each), P=4, M ∈ {4, 8}: the bubble of 8
+    measured flushes is within 3 percentage points of the simulator fed the measured
+    per-stage costs and the separately measured one-way message time. Four ranks share two
+    cores here, so one reading can be thrown by the machine's other work: a miss is run
+    again once, and the failure names both readings."""
+    seen = []
+    for m in (4, 8):
+        gaps = []
+        for _ in range(2):
+            rep = _bubble_gap(cluster4, schedule, m)
+            gaps.append(round(rep.gap_pp, 2))
+            if abs(rep.gap_pp) <= 3.0:
+                break
+        seen.append((m, gaps, rep.summary()))
+    assert all(abs(g[-1]) <= 3.0 for _, g, _ in seen), seen
 
 
 @pytest.mark.parametrize("changes,match", [

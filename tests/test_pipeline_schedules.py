@@ -161,3 +161,40 @@ def test_every_schedule_simulates_under_uneven_costs():
         for m in (1, 3, 8):
             r = simulate(build(name, 4, m), costs, comm=0.2)
             assert r.makespan > 0 and all(i >= 0 for i in r.idle)
+
+
+def test_comm_and_dispatch_delays_in_the_simulator():
+    """GPipe P=2, M=1, F=1, BW=2: F0 [0,1]; F1 waits one hop [1+c, 2+c]; BW1 follows after
+    one dispatch gap [2+c+d, 4+c+d]; BW0 waits one hop for its gradient: makespan 6+2c+d."""
+    sched = build("gpipe", 2, 1)
+    c, d = 0.25, 0.5
+    res = simulate(sched, {"F": 1.0, "B": 2.0, "W": 0.0}, comm=c, dispatch=d)
+    assert res.makespan == pytest.approx(6 + 2 * c + d)
+    assert res.idle == pytest.approx([res.makespan - 3.0] * 2)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_overheads_and_explained_bubble_round_trip_a_simulated_trace(name, p, m):
+    """A trace made by the simulator with hop time = dispatch gap = g: measure_bubble reads
+    back g for both, and the explained rung reproduces the trace's bubble exactly."""
+    from labkit.parallel.pipeline.bubble import measure_bubble, overheads
+    from labkit.trace import Event
+
+    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    costs = {"F": [1.0 + 0.1 * s for s in range(sched.n_stages)], "B": 2.0, "W": 1.0}
+    if not sched.split_backward:
+        costs = {"F": costs["F"], "BW": 3.0, "B": 2.0, "W": 1.0}
+    g = 0.3
+    sim = simulate(sched, costs, comm=g, dispatch=g)
+    events = [Event(sp.rank, sp.action.kind, "compute", sp.start, sp.end, step=0,
+                    args={"stage": sp.action.stage, "microbatch": sp.action.microbatch,
+                          "flush": 0}) for sp in sim.spans]
+    assert overheads(events, sched) == pytest.approx((g, g))
+    rep = measure_bubble(events, sched, comm=0.0)
+    assert rep.bubble == pytest.approx(sim.bubble)
+    assert rep.explained.bubble == pytest.approx(sim.bubble)
+    assert rep.explained_gap_pp == pytest.approx(0.0, abs=1e-9)
+    assert rep.gap_pp > 0  # the comm-free prediction misses the overheads
+    rungs = [b for _, b in rep.ladder]
+    assert rungs[-1] == rep.bubble and rungs[-2] == rep.explained.bubble

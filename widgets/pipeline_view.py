@@ -208,7 +208,7 @@ class PipelineView(StaticFigure, W.VBox):
         self.sim_spans = rep.predicted.spans
         mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in result.metrics)
         self.status.value = S.status_html(
-            f"{rep.summary()}\nidle per rank (ms): measured "
+            f"{rep.summary()}\n{rep.ladder_text()}\nidle per rank (ms): measured "
             f"{[round(i * 1e3, 1) for i in rep.idle]}, simulated "
             f"{[round(i * 1e3, 1) for i in rep.predicted.idle]}\npeak activations per rank: "
             f"{mem}; in flight {[m.get('peak_inflight') for m in result.metrics]}", "ok")

@@ -9,7 +9,7 @@
 * :mod:`.jobs` — ``pipeline_train`` (the cluster job), ``torch_pipeline_train``
   (``torch.distributed.pipelining``, for parity and speed) and ``reference`` (one process);
 * :mod:`.bubble` — bubble, per-rank idle and MFU ceiling measured from a run's trace,
-  beside the simulator fed the measured costs.
+  beside the simulator fed the measured costs, rung by rung.
 * :mod:`.lab` — what ``labkit run --pp`` and the explorer run and show: a config deep
   enough for its stages, ``pipeline_train`` plus FLOPs and MFU, the per-rank report.
 
@@ -17,9 +17,9 @@ Importing this package does not import torch (the executor and jobs do, when imp
 """
 from .actions import Action, Schedule
 from .bubble import BubbleReport, measure_bubble
-from .config import PP_TINY, PipelineConfig
+from .config import PP_BALANCED, PP_TINY, PipelineConfig
 from .schedules import SCHEDULES, build, with_comms
 from .simulate import ScheduleError, SimResult, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "build", "with_comms", "simulate", "SimResult",
-           "ScheduleError", "PipelineConfig", "PP_TINY", "measure_bubble", "BubbleReport"]
+           "ScheduleError", "PipelineConfig", "PP_TINY", "PP_BALANCED", "measure_bubble", "BubbleReport"]

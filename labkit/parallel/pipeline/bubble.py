@@ -9,28 +9,40 @@ window. Averaged over the measured flushes:
 * ``mfu_ceiling`` = 1 − bubble: the fraction of time the ranks compute at all, an upper
   bound on MFU (claim C21's five steps then multiply by the kernels' own efficiency).
 
-The prediction runs :func:`~.simulate.simulate` on the same schedule with each stage's
-measured mean ``F``/``B``/``W`` (and ``BW``) durations, so it sees stage imbalance (the
-embedding on the first stage, the head and loss on the last), plus an optional per-hop
-``comm`` delay (a separately measured message time). Two more numbers explain the gap:
+The prediction runs :func:`~.simulate.simulate` on the same schedule, built up in rungs so
+that each source of idle time is named (:attr:`BubbleReport.ladder`):
+
+1. unit costs — for GPipe and 1F1B the lecture's ``(P−1)/(M+P−1)``;
+2. each stage's measured mean ``F``/``B``/``W`` (``BW``) durations — stage imbalance (the
+   embedding on the first stage, the head and loss on the last) and ``B ≈ 2F``;
+3. plus ``comm`` per cross-rank hop — a separately measured one-way message time. This
+   rung is :attr:`BubbleReport.predicted`: every input is measured apart from the idle
+   time it predicts;
+4. with the executor's overheads measured from the same trace (:func:`overheads`)
+   instead: ``hop_s``, the mean time from a producer's span end to the consumer's span
+   start when the consumer waited for it, and ``dispatch_s``, the mean gap between two
+   spans of one rank when it did not wait. This rung is :attr:`BubbleReport.explained`:
+   it says how much of the remaining gap is per-action executor time, which grows with
+   the number of actions per rank (interleaved and ZB-V have twice as many).
+
+Two more numbers check the model:
 
 * ``replayed_bubble`` — the simulator fed every action's *own* measured duration, with no
   communication: the bubble the schedule forces given the real, jittery span lengths. The
-  measured bubble can never be below it (the run obeyed the same order and dependencies);
-  the difference from the prediction is variation of span lengths around their means.
-* ``fitted_comm_s`` — the per-hop delay that, added to every cross-rank edge of the replay,
-  reproduces the measured window: message latency plus the executor's dispatch time
-  between spans (posting sends and receives, bookkeeping).
+  measured bubble can never be below it (the run obeyed the same order and dependencies).
+* ``fitted_comm_s`` — the single per-hop delay that, added to every cross-rank edge of the
+  replay, reproduces the measured window.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .schedules import Action, Schedule
 from .simulate import UNIT, SimResult, simulate
 
-__all__ = ["BubbleReport", "measure_bubble", "stage_costs"]
+__all__ = ["BubbleReport", "measure_bubble", "overheads", "stage_costs"]
 
 KINDS = ("F", "B", "W", "BW")
 
@@ -56,6 +68,46 @@ def stage_costs(trace, schedule: Schedule, skip_steps: int = 1) -> dict:
     return out
 
 
+def _producer(e, index: dict, schedule: Schedule):
+    """The span on another rank whose output ``e`` consumes, or ``None``."""
+    s, i, n = e.args["stage"], e.args["microbatch"], schedule.n_stages
+    if e.name == "F" and s > 0:
+        src = index.get((e.step, e.args.get("flush", 0), "F", s - 1, i))
+    elif e.name in ("B", "BW") and s < n - 1:
+        src = index.get((e.step, e.args.get("flush", 0), "B", s + 1, i))
+    else:
+        return None
+    return src if src is not None and src.rank != e.rank else None
+
+
+def overheads(trace, schedule: Schedule, skip_steps: int = 1) -> tuple:
+    """``(dispatch_s, hop_s)``: the executor's time between compute spans, in seconds.
+
+    For each span after a rank's first in a flush: when it consumes a tensor from another
+    rank whose producing span ended after this rank's previous span, the rank waited, and
+    ``start − producer end`` is one hop sample (message time plus the consumer's dispatch);
+    otherwise ``start − previous end`` is one dispatch sample. Returns the means (``0.0``
+    where there are no samples). Needs one clock for all ranks: true on one machine.
+    """
+    spans = _spans(trace, skip_steps) or _spans(trace, 0)
+    index = {(e.step, e.args.get("flush", 0), "B" if e.name == "BW" else e.name,
+              e.args["stage"], e.args["microbatch"]): e for e in spans}
+    lanes: dict = defaultdict(list)
+    for e in spans:
+        lanes[(e.rank, e.step, e.args.get("flush", 0))].append(e)
+    dispatch, hop = [], []
+    for lane in lanes.values():
+        lane.sort(key=lambda e: e.start)
+        for prev, e in zip(lane, lane[1:]):
+            src = _producer(e, index, schedule)
+            if src is not None and src.end > prev.end:
+                hop.append(max(0.0, e.start - src.end))
+            else:
+                dispatch.append(max(0.0, e.start - prev.end))
+    mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
+    return mean(dispatch), mean(hop)
+
+
 @dataclass
 class BubbleReport:
     """Measured bubble of one run and the simulator's prediction (seconds, fractions).
@@ -63,7 +115,10 @@ class BubbleReport:
     Attributes:
         window: mean flush makespan; busy, idle: per rank, mean per flush.
         bubble: measured idle/total; bubble_vs_ideal: measured Σ idle / Σ busy.
-        predicted: the :class:`~.simulate.SimResult` with measured per-stage costs.
+        predicted: the :class:`~.simulate.SimResult` with measured per-stage costs and
+            ``comm`` per cross-rank hop (rung 3).
+        explained: the same with the trace's hop and dispatch times instead (rung 4).
+        dispatch_s, hop_s: the measured overheads (:func:`overheads`), seconds.
         flushes: how many flushes were averaged.
     """
 
@@ -77,6 +132,10 @@ class BubbleReport:
     per_flush: list = field(default_factory=list, repr=False)
     replayed_bubble: float = 0.0
     fitted_comm_s: float = 0.0
+    explained: Optional[SimResult] = None
+    dispatch_s: float = 0.0
+    hop_s: float = 0.0
+    comm_s: float = 0.0
 
     @property
     def bubble(self) -> float:
@@ -103,6 +162,28 @@ class BubbleReport:
         """Measured − predicted bubble, in percentage points."""
         return 100.0 * (self.bubble - self.predicted.bubble)
 
+    @property
+    def explained_gap_pp(self) -> float:
+        """Measured − explained (rung 4) bubble, in percentage points."""
+        return 100.0 * (self.bubble - self.explained.bubble) if self.explained else 0.0
+
+    @property
+    def ladder(self) -> list:
+        """``[(rung, bubble)]`` from the unit-cost formula to the measured bubble."""
+        s = self.schedule
+        unit = simulate(s, UNIT).bubble
+        costs = simulate(s, self.costs).bubble
+        rungs = [("unit costs", unit), ("+ measured stage costs", costs),
+                 (f"+ message time {1e3 * self.comm_s:.2f} ms/hop", self.predicted.bubble)]
+        if self.explained is not None:
+            rungs.append((f"executor: hop {1e3 * self.hop_s:.2f} ms, dispatch "
+                          f"{1e3 * self.dispatch_s:.2f} ms", self.explained.bubble))
+        return rungs + [("measured", self.bubble)]
+
+    def ladder_text(self) -> str:
+        """The :attr:`ladder` on one line: ``"unit costs 42.9% → … → measured 45.1%"``."""
+        return " → ".join(f"{name} {b:.1%}" for name, b in self.ladder)
+
     def rows(self) -> list:
         """Per rank: ``{"rank", "busy_s", "idle_s", "predicted_idle_s"}``."""
         return [{"rank": r, "busy_s": b, "idle_s": i, "predicted_idle_s": p}
@@ -112,8 +193,9 @@ class BubbleReport:
         s = self.schedule
         return (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
                 f"{self.bubble:6.1%}  simulated {self.predicted.bubble:6.1%}  "
-                f"(gap {self.gap_pp:+.1f} pp; replayed {self.replayed_bubble:.1%}, per-hop "
-                f"delay {self.fitted_comm_s * 1e3:.2f} ms)  MFU ceiling {self.mfu_ceiling:.1%}")
+                f"(gap {self.gap_pp:+.1f} pp; with hop {self.hop_s * 1e3:.2f} ms and dispatch "
+                f"{self.dispatch_s * 1e3:.2f} ms {self.explained_gap_pp:+.1f} pp)  "
+                f"MFU ceiling {self.mfu_ceiling:.1%}")
 
 
 def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
@@ -121,7 +203,8 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
     """Bubble of the flushes recorded in ``trace`` (a :class:`~labkit.trace.Trace`, or a
     list of events) at steps ``>= skip_steps`` (step 0 pays one-off allocation costs; when
     it is the only step, it is used). ``comm`` (seconds, e.g. the job's measured
-    ``p2p_latency_s``) is added to every cross-rank hop of the prediction.
+    ``p2p_latency_s``) is added to every cross-rank hop of the prediction; ``explained``
+    uses the hop and dispatch times measured from the trace instead.
 
     Raises:
         ValueError: the trace holds no ``F``/``B``/``W``/``BW`` spans.
@@ -149,9 +232,11 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
     window = sum(w for w, _ in per_flush) / n
     busy = [sum(b[r] for _, b in per_flush) / n for r in range(p)]
     costs = stage_costs(spans, schedule, used_skip)
+    dispatch, hop = overheads(spans, schedule, used_skip)
     return BubbleReport(schedule, window, busy, [window - b for b in busy], costs,
                         simulate(schedule, costs, comm), n, per_flush, sum(replayed) / n,
-                        sum(fitted) / n)
+                        sum(fitted) / n, simulate(schedule, costs, hop, dispatch=dispatch),
+                        dispatch, hop, comm)
 
 
 def _fit_comm(schedule: Schedule, durations: dict, window: float) -> float:

@@ -47,12 +47,17 @@ def _batch(cfg: PipelineConfig, step: int):
 
 def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 8) -> float:
     """One-way time (seconds) of one boundary tensor between ranks 0 and 1: half the median
-    round trip of a blocking ping-pong through labkit.comm (untraced). 0.0 with one rank."""
+    round trip of a blocking ping-pong through labkit.comm (untraced). 0.0 with one rank.
+
+    Every rank of ``ctx.group`` must call it: barriers on both sides keep the other ranks
+    from computing (or packing their results) while it runs, which on a machine with fewer
+    cores than ranks would time the core sharing instead of the message."""
     if ctx.world_size < 2:
         return 0.0
     t = torch.zeros(shape, dtype=dtype, device=ctx.device)
     enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
     rtts = []
+    comm.barrier(ctx.group)
     try:
         for _ in range(rounds):
             if ctx.rank == 0:
@@ -63,6 +68,7 @@ def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 8) -> floa
             elif ctx.rank == 1:
                 comm.recv(t, 0, ctx.group)
                 comm.send(t, 0, ctx.group)
+        comm.barrier(ctx.group)
     finally:
         ctx.tracer.enabled = enabled
     return statistics.median(rtts[1:]) / 2 if rtts else 0.0

@@ -104,7 +104,9 @@ def pipeline_report(cfg: PipelineConfig, metrics: list, trace) -> dict:
         ``{"bubble": BubbleReport, "summary": {...}, "rows": [...]}``. ``summary``:
         ``bubble`` / ``bubble_simulated`` (idle/total), ``mfu_ceiling`` /
         ``mfu_ceiling_simulated``, ``mfu`` (Σ FLOPs / (step time · P · peak)),
-        ``p2p_latency_s``, ``window_s``. Each row: ``rank``, ``stages``, ``step_time_s``,
+        ``p2p_latency_s``, ``window_s``, ``bubble_explained`` with ``hop_s`` and
+        ``dispatch_s`` (the executor's overheads, :func:`~.bubble.overheads`),
+        ``ladder`` (``[(rung, bubble)]``). Each row: ``rank``, ``stages``, ``step_time_s``,
         ``busy_s``, ``idle_s``, ``predicted_idle_s``, ``idle_frac`` /
         ``predicted_idle_frac``, ``peak_activation_bytes``, ``peak_inflight`` /
         ``predicted_inflight``, ``model_state`` (bytes by category), ``flops_per_step``,
@@ -138,5 +140,7 @@ def pipeline_report(cfg: PipelineConfig, metrics: list, trace) -> dict:
                "bubble_simulated": pred.bubble, "mfu_ceiling": rep.mfu_ceiling,
                "mfu_ceiling_simulated": rep.predicted_mfu_ceiling, "mfu": mfu,
                "p2p_latency_s": lat, "window_s": rep.window, "flushes": rep.flushes,
-               "replayed_bubble": rep.replayed_bubble, "fitted_comm_s": rep.fitted_comm_s}
+               "replayed_bubble": rep.replayed_bubble, "fitted_comm_s": rep.fitted_comm_s,
+               "bubble_explained": rep.explained.bubble, "hop_s": rep.hop_s,
+               "dispatch_s": rep.dispatch_s, "ladder": rep.ladder}
     return {"bubble": rep, "summary": summary, "rows": rows}

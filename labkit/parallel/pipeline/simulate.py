@@ -154,12 +154,15 @@ def _deps(a: Action, sched: Schedule, comm: float) -> list:
 
 
 def simulate(sched: Schedule, costs: Mapping[str, Cost] = UNIT, comm: float = 0.0,
-             durations: Optional[Mapping[Action, float]] = None) -> SimResult:
+             durations: Optional[Mapping[Action, float]] = None,
+             dispatch: float = 0.0) -> SimResult:
     """Run ``sched`` on paper with ``costs`` = ``{"F", "B", "W"[, "BW"]}``, each a number or
     a per-stage list (``BW`` defaults to ``B + W``); ``comm`` is added to every cross-rank
     edge. Send/recv actions in a lowered schedule are ignored (their cost is ``comm``).
     ``durations`` (``{Action: seconds}``) overrides the cost of individual actions — to
-    replay a measured run with its own span lengths.
+    replay a measured run with its own span lengths. ``dispatch`` is the least idle time
+    between two consecutive actions of one rank (a real executor's bookkeeping: posting
+    messages, Python between kernels); it counts as idle, like the bubble.
 
     Raises:
         ScheduleError: incomplete schedule, a stage on the wrong rank, a rank that runs an
@@ -182,7 +185,8 @@ def simulate(sched: Schedule, costs: Mapping[str, Cost] = UNIT, comm: float = 0.
                 deps = _deps(a, sched, comm)
                 if any(k not in finish for k, _ in deps):
                     break
-                start = max([free[r]] + [finish[k] + lat for k, lat in deps])
+                gap = dispatch if ptr[r] else 0.0
+                start = max([free[r] + gap] + [finish[k] + lat for k, lat in deps])
                 end = start + (durations[a] if durations and a in durations
                                else cost(a.kind, a.stage))
                 spans.append(Span(r, a, start, end))
