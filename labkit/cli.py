@@ -137,6 +137,9 @@ def _run_config(args, world_size: int):
     """The Run/Zero/PipelineConfig the arguments describe, validated for ``world_size``."""
     from .config import PRESETS, RunConfig
 
+    trace_dir = os.path.dirname(os.path.abspath(args.trace)) if args.trace else None
+    if trace_dir and not os.path.isdir(trace_dir):
+        raise UsageError(f"--trace {args.trace}: the folder {trace_dir} does not exist")
     if cli_pipeline.wants_pipeline(args):
         try:
             return cli_pipeline.pipeline_config(args, world_size)

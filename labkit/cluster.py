@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 
 from .result import RankError, RunResult
 from .trace import Trace
-from .worker import job_reference
+from .worker import check_config, job_reference
 
 __all__ = ["Cluster", "RunResult", "RankError", "job_reference"]
 
@@ -225,12 +225,14 @@ class Cluster:
                 the cluster's.
 
         Raises:
-            TypeError: the job is not importable by the ranks, or the config not picklable.
+            TypeError: the job is not importable by the ranks, the config is not of the class
+                the job's config parameter is annotated with, or it is not picklable.
             ValueError: the config is invalid for this cluster (from its ``validate``).
             RankError: a rank raised; the pool is restarted.
             TimeoutError: the job ran too long; the pool is restarted.
         """
         module, qualname = job_reference(job)
+        check_config(job, config)
         if hasattr(config, "validate"):
             config.validate(self.world_size)
         if nranks is None:

@@ -265,9 +265,26 @@ class RunConfig:
         if self.checkpoint == "every" and not 1 <= self.checkpoint_every <= mc.n_layers:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must satisfy 1 <= C <= "
                              f"n_layers={mc.n_layers}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_optimizer_and_timeout(self)
         return self
+
+
+def check_optimizer_and_timeout(cfg) -> None:
+    """The fields every training config shares: ``lr`` > 0, ``weight_decay`` >= 0 (both
+    finite) and ``timeout_s`` > 0.
+
+    Raises:
+        ValueError: naming the field and the value.
+    """
+    import math
+
+    if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {cfg.lr!r}")
+    if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay)
+            and cfg.weight_decay >= 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
+    if cfg.timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
 
 
 #: mirrors labkit.parallel.checkpoint_policy.POLICIES (kept here so config needs no torch)

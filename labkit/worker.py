@@ -23,7 +23,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-__all__ = ["RankContext", "worker_main", "resolve_job", "job_reference", "context_from_env"]
+__all__ = ["RankContext", "worker_main", "resolve_job", "job_reference", "check_config",
+           "context_from_env"]
 
 
 @dataclass
@@ -118,6 +119,31 @@ def job_reference(job: Union[Callable, str]) -> tuple[str, str]:
             f"then `from my_jobs import {import_as}` and pass that; or use a job from "
             f"labkit.jobs.")
     return module, qualname
+
+
+def check_config(job: Union[Callable, str], config: Any) -> None:
+    """Refuse, in the caller, a config that is not of the class the job's second parameter
+    is annotated with (``train(ctx, cfg: RunConfig)``), so the mistake is named before any
+    rank starts instead of surfacing as a traceback from every rank.
+
+    Raises:
+        TypeError: naming the job, the expected class and what was passed.
+    """
+    import inspect
+    import typing
+
+    fn = resolve_job(*job_reference(job)) if isinstance(job, str) else job
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check
+        return
+    if len(params) < 2:
+        return
+    want = hints.get(params[1].name)
+    if isinstance(want, type) and want is not object and not isinstance(config, want):
+        raise TypeError(f"job {fn.__module__}.{fn.__qualname__} takes a {want.__name__} as "
+                        f"its config, got {type(config).__name__} ({config!r:.80})")
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -65,6 +65,10 @@ def test_run_prints_table_with_every_rank(tmp_path):
     (["--dp", "2", "--zero", "5"], ["zero_stage", "got 5"]),
     (["--dp", "4", "--zero", "3", "--hsdp-replicas", "3"], ["hsdp_replicas=3", "dp=4"]),
     (["--dp", "2", "--zero", "0", "--hsdp-replicas", "2"], ["hsdp_replicas=2", "zero_stage 1-3"]),
+    (["--dp", "2", "--lr", "-1"], ["lr must be", "-1.0"]),
+    (["--pp", "2", "--lr", "0"], ["lr must be", "0.0"]),
+    (["--dp", "2", "--trace", "/nonexistent-labkit-dir/run.json"],
+     ["--trace", "/nonexistent-labkit-dir does not exist"]),
 ])
 def test_bad_input_exits_2_fast_without_traceback(args, words):
     t0 = time.perf_counter()

@@ -91,6 +91,23 @@ def test_unimportable_job_refused_before_launch(cluster2):
         _local_job.__module__ = __name__
 
 
+def test_config_of_the_wrong_class_refused_before_launch(cluster2):
+    """The job's annotated config class is checked in the caller, before the ranks get the
+    job; the pool stays usable."""
+    from labkit.config import RunConfig
+    from labkit.parallel.pipeline.jobs import pipeline_train
+    from labkit.train import run as train
+
+    cluster = cluster2
+    with pytest.raises(TypeError, match=r"labkit.train.run takes a RunConfig .* got NoneType"):
+        cluster.run(train, None)
+    with pytest.raises(TypeError, match="takes a PipelineConfig as its config, got RunConfig"):
+        cluster.run(pipeline_train, RunConfig())
+    with pytest.raises(TypeError, match="got int"):
+        cluster.run("labkit.train:run", 3)
+    assert cluster.run(train, RunConfig(steps=1)).losses
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         labkit.Cluster(0)

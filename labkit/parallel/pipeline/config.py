@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from ...config import ModelConfig, ParallelConfig, preset
+from ...config import ModelConfig, ParallelConfig, check_optimizer_and_timeout, preset
 from .schedules import SCHEDULES, STAGES_PER_RANK, build
 
 __all__ = ["PipelineConfig", "PP_TINY", "PP_BALANCED"]
@@ -128,7 +128,6 @@ class PipelineConfig:
             raise ValueError(f"impl must be 'labkit' or 'torch', got {self.impl!r}")
         if self.impl == "torch" and self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"impl='torch' runs 'gpipe' or '1f1b', got {self.schedule!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_optimizer_and_timeout(self)
         self.build_schedule()  # schedule-specific limits (e.g. interleaved M vs P)
         return self
