@@ -26,12 +26,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from . import comm
 from .config import RunConfig
 from .measure.flops import count_flops, transformer_flops_per_token
 from .measure.memory import measure_memory
 from .measure.mfu import mfu as mfu_report
-from .measure.peak import device_peak_flops
+from .measure.cpu_peak import calibrate_cpu_peak, rank_peak_flops
 from .models import build_model
 from .models.data import make_batch
 from .parallel.dp import DataParallel, torch_ddp, unique_parameters
@@ -255,21 +254,13 @@ def flops_and_mfu(ctx, cfg: RunConfig, model, step_time: float, accum: int) -> d
     hw_flops = _count(ctx, cfg, policy=True) * accum if cfg.checkpoint != "none" else flops
     out["flops_per_step"], out["hardware_flops_per_step"] = float(flops), float(hw_flops)
     dtype = next(model.parameters()).dtype  # divide by the peak of the dtype that ran
-    peak_key = ("peak", str(ctx.device), ctx.world_size, dtype)
-    if peak_key not in ctx.cache:
-        if ctx.is_cuda:
-            ctx.cache[peak_key] = device_peak_flops(ctx.device, dtype)
-        else:
-            ctx.cache[peak_key] = device_peak_flops(
-                ctx.device, torch.float32, ranks=ctx.world_size,
-                barrier=lambda: comm.barrier(ctx.group))
-    peak = ctx.cache[peak_key]
+    peak = rank_peak_flops(ctx, dtype)
     if peak and not ctx.is_cuda and ctx.world_size == 1 and hw_flops / step_time > peak:
         # faster than the ceiling: the calibration was disturbed (it can only read low).
         # Measure again; the cache keeps the larger value. (With several ranks the
         # calibration must run on all of them at once, so only a lone rank re-measures.)
-        peak = ctx.cache[peak_key] = device_peak_flops(
-            ctx.device, torch.float32, ranks=ctx.world_size, refresh=True)
+        peak = ctx.cache[("peak", str(ctx.device), 1, torch.float32)] = calibrate_cpu_peak(
+            refresh=True)
     out["peak_flops"] = peak
     if peak:
         rep = mfu_report(flops, step_time, peak, 1, hardware_flops_per_step=hw_flops)

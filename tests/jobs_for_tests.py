@@ -51,3 +51,10 @@ def mean_of_two_rows_gradient() -> dict:
     rows = torch.tensor([[1.0, 2.0, 3.0], [-4.0, 5.0, 0.5]])
     lin(rows).pow(2).mean().backward()
     return {"weight": lin.weight.grad, "bias": lin.bias.grad}
+
+
+def rank_peak(ctx, cfg=None) -> float:
+    """This rank's CPU peak FLOP/s as the training jobs compute it."""
+    from labkit.measure.cpu_peak import rank_peak_flops
+
+    return rank_peak_flops(ctx)

@@ -199,7 +199,7 @@ def test_mfu_rating_bars_claim_c22():
 
 # ------------------------------------------------------------------------------------ memory
 
-def test_memory_by_category_mlp_adam_fp32():  # claim C10 (fp32 split 4Ψ/4Ψ/8Ψ)
+def test_memory_by_category_mlp_adam_fp32():  # C10's 16 B/param, fp32 split 4Ψ/4Ψ/8Ψ
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     opt = torch.optim.Adam(model.parameters())
@@ -250,3 +250,14 @@ def test_cpu_calibration_cache_keeps_the_ceiling(tmp_path, monkeypatch):
     cache_path().write_text(json.dumps({key: real * 1000}))
     calibrate_cpu_peak(n=64, seconds=0.05, refresh=True)
     assert json.loads(cache_path().read_text())[key] == real * 1000
+
+
+@pytest.mark.distributed
+def test_rank_peak_is_the_mean_rate_shared_by_all_ranks(cluster4):
+    """Four ranks time the matmul loop at once; each gets the mean of the four rates, so
+    every rank divides by the same peak and their sum is what the machine did, however the
+    scheduler split the cores within the window. Tracing is off during the all-reduce."""
+    r = cluster4.run("jobs_for_tests:rank_peak")
+    peaks = r.outputs
+    assert len(set(peaks)) == 1 and peaks[0] > 0, peaks
+    assert not r.trace.filter(cat="comm")

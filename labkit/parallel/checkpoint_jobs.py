@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import ModelConfig, preset
 from ..measure.flops import count_flops
 from ..measure.mfu import mfu as mfu_report
+from ..measure.cpu_peak import rank_peak_flops
 from ..measure.peak import device_peak_flops
 from ..models import build_model
 from ..models.data import text_batch
@@ -285,15 +286,6 @@ def measure_policy(cfg: CheckpointRunConfig, device="cpu",
 def train_policy(ctx, cfg: CheckpointRunConfig) -> dict:
     """Cluster job: every rank runs :func:`measure_policy` on its own (no communication), with
     the CPU peak calibrated while all ranks run the matmul loop (as :mod:`labkit.train` does)."""
-    from .. import comm
-
-    key = ("peak", str(ctx.device), ctx.world_size)
-    if key not in ctx.cache:
-        if ctx.is_cuda:
-            ctx.cache[key] = device_peak_flops(ctx.device, torch.float32)
-        else:
-            ctx.cache[key] = device_peak_flops(ctx.device, torch.float32, ranks=ctx.world_size,
-                                               barrier=lambda: comm.barrier(ctx.group))
-    out = measure_policy(cfg, ctx.device, peak_flops=ctx.cache[key])
+    out = measure_policy(cfg, ctx.device, peak_flops=rank_peak_flops(ctx, torch.float32))
     out["metrics"]["rank"] = ctx.rank
     return out

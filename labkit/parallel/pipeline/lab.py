@@ -70,8 +70,7 @@ def pipeline_train_mfu(ctx, cfg: PipelineConfig) -> dict:
     ``peak_flops`` and ``mfu`` in the metrics (FLOPs and the peak cached per process)."""
     import torch
 
-    from ... import comm
-    from ...measure.peak import device_peak_flops
+    from ...measure.cpu_peak import rank_peak_flops
     from ...models.gpt import count_params
     from ...plan.memory import model_state_bytes
     from .jobs import pipeline_train
@@ -83,12 +82,7 @@ def pipeline_train_mfu(ctx, cfg: PipelineConfig) -> dict:
     if key not in ctx.cache:
         ctx.cache[key] = stage_flops(cfg, ctx.rank, ctx.device)
     flops = float(ctx.cache[key] * cfg.microbatches * cfg.accum_steps)
-    peak_key = ("peak", str(ctx.device), ctx.world_size, torch.float32)
-    if peak_key not in ctx.cache:
-        ctx.cache[peak_key] = device_peak_flops(
-            ctx.device, torch.float32, **({} if ctx.device.type == "cuda" else dict(
-                ranks=ctx.world_size, barrier=lambda: comm.barrier(ctx.group))))
-    peak = ctx.cache[peak_key]
+    peak = rank_peak_flops(ctx, torch.float32)
     m.update(model=mc.name, n_layers=mc.n_layers, model_params=count_params(mc),
              memory_predicted={k: int(v) for k, v in model_state_bytes(
                  m["n_params"], 1, 0, mixed_precision=False).items()},
