@@ -72,6 +72,11 @@ def pipeline_config(args, world_size=None):
                          f"--pp the microbatch is --global-batch / --microbatches")
     if args.dp_mode != "ddp":
         raise ValueError(f"--dp-mode {args.dp_mode} is for data parallelism, not --pp")
+    if args.bucket_mb != 25.0:
+        raise ValueError(f"--bucket-mb {args.bucket_mb:g} sizes data-parallel gradient "
+                         f"buckets; a --pp run has none")
+    if not args.prefetch:
+        raise ValueError("--no-prefetch is for ZeRO-3's all-gathers; a --pp run has none")
     m = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
     cfg = lab_config(args.model, pp=args.pp, microbatches=m, schedule=args.schedule or "1f1b",
                      virtual_stages=args.virtual_stages, n_layers=args.n_layers,

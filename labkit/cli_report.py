@@ -61,10 +61,38 @@ def global_losses(outputs: list) -> list:
 def run_json(cfg, outputs: list, info: dict) -> dict:
     """Plain-data report of a run: config, global losses, per-rank losses and metrics."""
     m0 = outputs[0]["metrics"]
-    return {"model": m0["model"], "n_params": m0["n_params"], "world_size": len(outputs),
+    # a pipeline rank holds only its stages: report the model's count (model_params)
+    return {"model": m0["model"], "n_params": m0.get("model_params", m0["n_params"]),
+            "world_size": len(outputs),
             **info, "config": dataclasses.asdict(cfg), "losses": global_losses(outputs),
             "ranks": [{"rank": r, "losses": o["losses"], "metrics": o["metrics"]}
                       for r, o in enumerate(outputs)]}
+
+
+def pipeline_notes(cfg, rep, info: dict) -> list:
+    """What a reader needs to trust (or distrust) a pipeline run's bubble numbers."""
+    import os
+
+    notes = []
+    f_ms = 1e3 * sum(rep.costs["F"]) / len(rep.costs["F"])
+    over_ms = 1e3 * (rep.hop_s + rep.dispatch_s)
+    if over_ms > 0.2 * f_ms:
+        notes.append(f"a stage's forward takes {f_ms:.2f} ms and the executor spends "
+                     f"{over_ms:.2f} ms (hop + dispatch) around each action, so the measured "
+                     "bubble is largely that overhead; a wider model (labkit.parallel."
+                     "pipeline.PP_BALANCED, benchmarks/pipeline_bubble.py) or a GPU per rank "
+                     "times the schedule itself")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if info.get("backend") == "gloo" and cores and cfg.pp > cores:
+        notes.append(f"{cfg.pp} ranks share {cores} CPU cores: spans stretch while a rank "
+                     "waits for a core, and timings vary from run to run")
+    if rep.flushes < 3:
+        notes.append(f"{rep.flushes} flush(es) measured: a single flush is noisy; "
+                     "--steps 5 or more averages several")
+    if cfg.model_config.tie_embeddings and cfg.pp > 1:
+        notes.append("model state counts the tied embedding on both the first and the last "
+                     "rank: each holds a copy, and their gradients are summed every step")
+    return notes
 
 
 def make_console():
@@ -209,10 +237,12 @@ def render_pipeline(cfg, outputs: list, info: dict, pipe: dict, console=None) ->
     console.print(f"schedule {cfg.schedule} · P={cfg.pp} M={cfg.microbatches} "
                   f"V={cfg.stages_per_rank} · global batch {cfg.global_batch} (micro "
                   f"{cfg.micro} x {cfg.microbatches} microbatches x {cfg.accum_steps} accum) · "
-                  f"steps {cfg.steps} · {rep.flushes} flush(es) measured (step 0 skipped) · "
+                  f"steps {cfg.steps} · {rep.flushes} flush(es) measured "
+                  f"({'step 0 skipped' if cfg.steps > 1 else 'the only step, step 0'}) · "
                   f"one-way p2p {1e3 * s['p2p_latency_s']:.2f} ms per hop")
-    t = Table(title="per rank, one flush: measured / simulated (simulator fed the measured "
-              "per-stage F/B/W costs + the p2p time per hop)")
+    t = Table(title="per rank: busy and idle per flush, measured / simulated (simulator fed "
+              "the measured per-stage F/B/W costs + the p2p time per hop); step = flush + "
+              "optimizer")
     for col in ("rank", "stages", "step ms", "busy ms", "idle ms\nmeas / sim",
                 "idle %\nmeas / sim", "activ. MiB\npeak meas", "in-flight µb\nmeas / sim",
                 "model state MiB\n4/4/8 B/param", "MFU %"):
@@ -236,6 +266,8 @@ def render_pipeline(cfg, outputs: list, info: dict, pipe: dict, console=None) ->
                   f"{100 * s['mfu_ceiling_simulated']:.1f} % · MFU (all ranks) {mfu}")
     console.print(rep.summary())
     console.print(f"bubble, rung by rung: {rep.ladder_text()}")
+    for note in pipeline_notes(cfg, rep, info):
+        console.print(f"note: {note}")
     losses = global_losses(outputs)
     tail = f" · trace → {info['trace']}" if info.get("trace") else ""
     console.print(f"loss (global batch) {losses[0]:.4f} → {losses[-1]:.4f} · wall "

@@ -271,7 +271,7 @@ class RunConfig:
 
 def check_optimizer_and_timeout(cfg) -> None:
     """The fields every training config shares: ``lr`` > 0, ``weight_decay`` >= 0 (both
-    finite) and ``timeout_s`` > 0.
+    finite), ``seed`` >= 0 and ``timeout_s`` > 0.
 
     Raises:
         ValueError: naming the field and the value.
@@ -283,6 +283,8 @@ def check_optimizer_and_timeout(cfg) -> None:
     if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay)
             and cfg.weight_decay >= 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
+    if not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {cfg.seed!r}")
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
 

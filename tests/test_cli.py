@@ -140,9 +140,9 @@ def test_plan_memory(capsys):
     assert cli.main(["plan", "memory", "--params", "7.5e9", "--ranks", "64", "--zero", "3",
                      "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["bytes"]["total"] == pytest.approx(1.875e9)  # 16 B/param / 64 (claim C11)
+    assert out["bytes"]["total"] == pytest.approx(1.875e9)  # ZeRO-3: 16 B/param / 64
     assert cli.main(["plan", "memory", "--params", "7.5B"]) == 0
-    assert "120,000,000,000" in capsys.readouterr().out
+    assert "120,000,000,000" in capsys.readouterr().out  # plain DP: 120 GB (claim C11)
     assert cli.main(["plan", "memory", "--params", "1e9", "--ranks", "0"]) == 2
     assert "n_ranks" in capsys.readouterr().err
 
@@ -224,6 +224,10 @@ def test_run_pp_under_torchrun():
     (["--pp", "2", "--zero", "3"], ["N-D composition is not available yet", "--zero 3"]),
     (["--microbatches", "4"], ["--microbatches", "--pp"]),
     (["--pp", "2", "--micro-batch", "2"], ["--micro-batch 2"]),
+    (["--pp", "2", "--bucket-mb", "-3"], ["--bucket-mb -3", "a --pp run has none"]),
+    (["--pp", "2", "--no-prefetch"], ["--no-prefetch", "a --pp run has none"]),
+    (["--pp", "2", "--n-layers", "0"], ["n_layers must be a positive int, got 0"]),
+    (["--pp", "2", "--seed", "-5"], ["seed must be an int >= 0, got -5"]),
 ])
 def test_pp_bad_input_exits_2_fast(args, words):
     t0 = time.perf_counter()

@@ -3,7 +3,6 @@ messages, traced F/B/W regions, measured activation memory and bubble, bad input
 from __future__ import annotations
 
 import pytest
-import torch
 
 from labkit.config import ModelConfig
 from labkit.parallel.pipeline import jobs as pj
@@ -74,7 +73,10 @@ def test_same_losses_as_torch_pipelining(cluster4, schedule, p):
     cfg = PipelineConfig(pp=p, microbatches=4, schedule=schedule, steps=3,
                          return_grads=True, return_state=True, measure_memory=False)
     ours = cluster4.run(pj.pipeline_train, cfg)
-    theirs = cluster4.run(pj.torch_pipeline_train, cfg.replace(impl="torch"))
+    # impl="torch" makes pipeline_train hand over to torch.distributed.pipelining
+    theirs = cluster4.run(pj.pipeline_train, cfg.replace(impl="torch"))
+    assert {m["impl"] for m in theirs.metrics} == {"torch"}
+    assert "peak_inflight" not in theirs.metrics[0]  # labkit's executor did not run
     assert ours.losses == pytest.approx(theirs.losses, abs=TOL)
     assert theirs.losses == pytest.approx(_reference(cfg)["losses"], abs=TOL)
     for a, b in zip(ours.outputs, theirs.outputs):

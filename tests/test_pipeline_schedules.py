@@ -198,3 +198,23 @@ def test_overheads_and_explained_bubble_round_trip_a_simulated_trace(name, p, m)
     assert rep.gap_pp > 0  # the comm-free prediction misses the overheads
     rungs = [b for _, b in rep.ladder]
     assert rungs[-1] == rep.bubble and rungs[-2] == rep.explained.bubble
+
+
+def test_measure_bubble_refuses_a_schedule_the_trace_did_not_run():
+    from labkit.parallel.pipeline.bubble import measure_bubble
+    from labkit.trace import Event
+
+    ran = build("1f1b", 2, 4)
+    events = [Event(sp.rank, sp.action.kind, "compute", sp.start, sp.end, step=s,
+                    args={"stage": sp.action.stage, "microbatch": sp.action.microbatch,
+                          "flush": 0})
+              for s in (0, 1) for sp in simulate(ran).spans]
+    assert measure_bubble(events, ran).flushes == 1  # step 0 skipped
+    for other in (build("1f1b", 2, 8), build("gpipe", 4, 2), build("zb-h1", 2, 4),
+                  build("gpipe", 2, 4)):  # the same actions as 1F1B, in another order
+        with pytest.raises(ValueError, match="pass the schedule the run used"):
+            measure_bubble(events, other)
+    with pytest.raises(ValueError, match=r"skip_steps=5 leaves no flush: the trace holds "
+                                         r"steps 0–1"):
+        measure_bubble(events, ran, skip_steps=5)
+    assert measure_bubble([e for e in events if e.step == 0], ran).flushes == 1

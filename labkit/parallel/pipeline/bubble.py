@@ -23,7 +23,9 @@ that each source of idle time is named (:attr:`BubbleReport.ladder`):
    start when the consumer waited for it, and ``dispatch_s``, the mean gap between two
    spans of one rank when it did not wait. This rung is :attr:`BubbleReport.explained`:
    it says how much of the remaining gap is per-action executor time, which grows with
-   the number of actions per rank (interleaved and ZB-V have twice as many).
+   the number of actions per rank (interleaved and ZB-V have twice as many). Means of the
+   gaps make it an upper-end estimate when ranks share cores: a long gap (a rank waiting
+   for a core) that in the run overlapped a wait is counted again on every edge.
 
 Two more numbers check the model:
 
@@ -89,7 +91,7 @@ def overheads(trace, schedule: Schedule, skip_steps: int = 1) -> tuple:
     otherwise ``start − previous end`` is one dispatch sample. Returns the means (``0.0``
     where there are no samples). Needs one clock for all ranks: true on one machine.
     """
-    spans = _spans(trace, skip_steps) or _spans(trace, 0)
+    spans, _ = _measured_spans(trace, skip_steps)
     index = {(e.step, e.args.get("flush", 0), "B" if e.name == "BW" else e.name,
               e.args["stage"], e.args["microbatch"]): e for e in spans}
     lanes: dict = defaultdict(list)
@@ -176,8 +178,8 @@ class BubbleReport:
         rungs = [("unit costs", unit), ("+ measured stage costs", costs),
                  (f"+ message time {1e3 * self.comm_s:.2f} ms/hop", self.predicted.bubble)]
         if self.explained is not None:
-            rungs.append((f"executor: hop {1e3 * self.hop_s:.2f} ms, dispatch "
-                          f"{1e3 * self.dispatch_s:.2f} ms", self.explained.bubble))
+            rungs.append((f"+ executor: hop {1e3 * self.hop_s:.2f} ms (message included), "
+                          f"dispatch {1e3 * self.dispatch_s:.2f} ms", self.explained.bubble))
         return rungs + [("measured", self.bubble)]
 
     def ladder_text(self) -> str:
@@ -190,12 +192,19 @@ class BubbleReport:
                 for r, (b, i, p) in enumerate(zip(self.busy, self.idle, self.predicted.idle))]
 
     def summary(self) -> str:
+        """One line: measured and simulated bubble with their gap, the same with the
+        executor's measured hop and dispatch times (:attr:`explained`), and the MFU
+        ceiling (1 − measured bubble)."""
         s = self.schedule
-        return (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
-                f"{self.bubble:6.1%}  simulated {self.predicted.bubble:6.1%}  "
-                f"(gap {self.gap_pp:+.1f} pp; with hop {self.hop_s * 1e3:.2f} ms and dispatch "
-                f"{self.dispatch_s * 1e3:.2f} ms {self.explained_gap_pp:+.1f} pp)  "
-                f"MFU ceiling {self.mfu_ceiling:.1%}")
+        line = (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
+                f"{self.bubble:6.1%}, simulated from measured costs "
+                f"{self.predicted.bubble:6.1%} "
+                f"(gap {self.gap_pp:+.1f} pp)")
+        if self.explained is not None:
+            line += (f", with the executor's hop {self.hop_s * 1e3:.2f} ms and dispatch "
+                     f"{self.dispatch_s * 1e3:.2f} ms {self.explained.bubble:.1%} "
+                     f"(gap {self.explained_gap_pp:+.1f} pp)")
+        return line + f"; MFU ceiling {self.mfu_ceiling:.1%}"
 
 
 def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
@@ -209,17 +218,26 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
     Raises:
         ValueError: the trace holds no ``F``/``B``/``W``/``BW`` spans.
     """
-    spans = _spans(trace, skip_steps) or _spans(trace, 0)
-    if not spans:
-        raise ValueError("no pipeline compute spans (F/B/W/BW with a 'stage' arg) in the trace")
-    used_skip = skip_steps if _spans(trace, skip_steps) else 0
+    spans, used_skip = _measured_spans(trace, skip_steps)
     groups: dict = defaultdict(list)
     for e in spans:
         groups[(e.step, e.args.get("flush", 0))].append(e)
     p = schedule.pp
+    # each rank runs its list in order, so its spans sorted by start spell the list
+    want = [[(a.kind, a.stage, a.microbatch) for a in acts if a.is_compute]
+            for acts in schedule.actions]
     per_flush, replayed, fitted = [], [], []
     for key in sorted(groups):
         ev = groups[key]
+        got = [[(e.name, e.args["stage"], e.args["microbatch"])
+                for e in sorted(ev, key=lambda e: e.start) if e.rank == r] for r in range(p)]
+        if got != want or len(ev) != sum(map(len, want)):
+            raise ValueError(
+                f"step {key[0]} flush {key[1]} of the trace ran {len(ev)} compute actions "
+                f"on ranks {sorted({e.rank for e in ev})} in an order that is not schedule "
+                f"{schedule.name} P={schedule.pp} M={schedule.microbatches} "
+                f"V={schedule.virtual} ({sum(map(len, want))} actions); pass the schedule "
+                "the run used (cfg.build_schedule())")
         t0, t1 = min(e.start for e in ev), max(e.end for e in ev)
         busy = [sum(e.duration for e in ev if e.rank == r) for r in range(p)]
         per_flush.append((t1 - t0, busy))
@@ -237,6 +255,26 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
                         simulate(schedule, costs, comm), n, per_flush, sum(replayed) / n,
                         sum(fitted) / n, simulate(schedule, costs, hop, dispatch=dispatch),
                         dispatch, hop, comm)
+
+
+def _measured_spans(trace, skip_steps: int) -> tuple:
+    """``(spans, skip)``: the compute spans at steps ``>= skip_steps``; a trace of one step
+    (step 0 only) is used whole.
+
+    Raises:
+        ValueError: no pipeline spans at all, or none left after skipping.
+    """
+    spans = _spans(trace, skip_steps)
+    if spans:
+        return spans, skip_steps
+    every = _spans(trace, 0)
+    if not every:
+        raise ValueError("no pipeline compute spans (F/B/W/BW with a 'stage' arg) in the trace")
+    steps = sorted({e.step for e in every})
+    if steps != [0]:
+        raise ValueError(f"skip_steps={skip_steps} leaves no flush: the trace holds steps "
+                         f"{steps[0]}–{steps[-1]}")
+    return every, 0
 
 
 def _fit_comm(schedule: Schedule, durations: dict, window: float) -> float:

@@ -30,12 +30,16 @@ class PipelineConfig:
             ``interleaved`` and ``zb-v``).
         global_batch: samples per optimizer step = ``accum_steps · M · micro-batch``.
         accum_steps: pipeline flushes per optimizer step (gradient accumulation).
+        steps: optimizer steps; the bubble report skips step 0 (allocation, warm-up).
+        lr, weight_decay: AdamW's; ``lr`` > 0, ``weight_decay`` >= 0.
+        seed: model initialisation and data order (>= 0); equal seeds give equal runs.
         impl: ``"labkit"`` (this package's executor) or ``"torch"``
             (``torch.distributed.pipelining``; ``gpipe`` and ``1f1b`` only).
         measure_memory: count saved activation bytes per stage-microbatch (saved-tensor
             hooks) and report the peak per rank.
         return_grads: every rank returns its first step's gradients by full-model name.
         return_state: every rank returns its final parameters by full-model name.
+        timeout_s: seconds before the cluster cancels the job (> 0).
     """
 
     model: Union[ModelConfig, str] = PP_TINY
@@ -59,7 +63,7 @@ class PipelineConfig:
     @property
     def model_config(self) -> ModelConfig:
         mc = preset(self.model) if isinstance(self.model, str) else self.model
-        return replace(mc, n_layers=self.n_layers) if self.n_layers else mc
+        return mc if self.n_layers is None else replace(mc, n_layers=self.n_layers)
 
     @property
     def stages_per_rank(self) -> int:
@@ -101,6 +105,9 @@ class PipelineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.n_layers is not None and (not isinstance(self.n_layers, int)
+                                          or self.n_layers < 1):
+            raise ValueError(f"n_layers must be a positive int, got {self.n_layers!r}")
         if self.virtual_stages is not None and self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         mc = self.model_config

@@ -45,7 +45,7 @@ def _batch(cfg: PipelineConfig, step: int):
     return x.contiguous(), y.contiguous()  # torch's pipelining checks input strides
 
 
-def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 8) -> float:
+def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 16) -> float:
     """One-way time (seconds) of one boundary tensor between ranks 0 and 1: half the median
     round trip of a blocking ping-pong through labkit.comm (untraced). 0.0 with one rank.
 
@@ -123,12 +123,15 @@ def _train(ctx, cfg: PipelineConfig, stages: dict, flush_fn, loss_rank: int) -> 
 def pipeline_train(ctx, cfg: PipelineConfig) -> dict:
     """Train with labkit's pipeline executor on ranks ``0 … pp−1``.
 
-    Metrics also hold ``peak_activation_bytes`` and ``peak_inflight`` (stage-microbatches)
+    With ``cfg.impl == "torch"`` it runs :func:`torch_pipeline_train` instead. Metrics
+    also hold ``peak_activation_bytes`` and ``peak_inflight`` (stage-microbatches)
     measured on this rank with saved-tensor hooks, and on rank 0 ``p2p_latency_s``: the
     one-way time of one boundary tensor (:func:`p2p_latency`, after training), which
     :func:`~.bubble.measure_bubble` can add to every hop of its prediction.
     """
     cfg.validate(ctx.world_size)
+    if cfg.impl == "torch":
+        return torch_pipeline_train(ctx, cfg)
     sched = cfg.build_schedule()
     mc = cfg.model_config
     store = WeightGradStore() if sched.split_backward else None
@@ -153,7 +156,7 @@ def torch_pipeline_train(ctx, cfg: PipelineConfig) -> dict:
     bypasses labkit.comm: it is a reference, not part of labkit."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    cfg.validate(ctx.world_size)
+    cfg = cfg.validate(ctx.world_size).replace(impl="torch")
     if cfg.stages_per_rank != 1:
         raise ValueError("torch_pipeline_train runs one stage per rank")
     mc = cfg.model_config
