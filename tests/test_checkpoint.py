@@ -1,6 +1,7 @@
 """Activation checkpointing: schedules as data, measured counts = closed forms (claim C17),
 policies on the real GPT (gradients, RNG, reentrant caveat), activation memory per layer beside
-the lecture formula (C18), HFU > MFU with recomputation (C21), A100→H100 as data (C23)."""
+the lecture formula (C18), HFU > MFU with recomputation (labkit's check: MFU counts
+model FLOPs only, C21), A100→H100 as data (C23)."""
 from __future__ import annotations
 
 import math
@@ -221,7 +222,7 @@ def test_block_measured_alone_equals_block_in_the_model():
 
 # ------------------------------------------------------------------------ MFU / HFU (C21, C23)
 
-def test_full_checkpointing_raises_hfu_above_mfu():  # claim C21
+def test_full_checkpointing_raises_hfu_above_mfu():  # MFU of C21 vs hardware FLOPs
     out = {}
     for policy in ("none", "full", "selective"):
         cfg = CheckpointRunConfig(model=GPT_CFG, policy=policy, micro_batch=2, steps=2)
