@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import comm

@@ -36,7 +36,7 @@ def test_tour_dp_slider_reruns_and_redraws(jupyter_server, browser_page, artifac
     assert after[0]["x"] == [["rank 0", "rank 1"], ["all_reduce", "all_reduce"]]
     assert measured != before[0]["y"][:2]           # new values, not a relabel
     assert measured == pytest.approx(formula)        # 2(N-1)/N·|θ|·4 for N=2
-    title = page.evaluate(f"(i) => document.querySelectorAll('.js-plotly-plot')[i]"
-                          f".layout.title.text", comm)
+    title = page.evaluate("(i) => document.querySelectorAll('.js-plotly-plot')[i]"
+                          ".layout.title.text", comm)
     assert "dp=2" in title
     page.screenshot(path=str(artifacts_dir / "tour_explorer.png"), full_page=True)
