@@ -65,6 +65,17 @@ def fake_train_output(cfg: RunConfig, rank: int) -> dict:
                 "comm_bytes_per_step": comm_bytes, "comm_bytes_predicted": comm_bytes}}
 
 
+def test_explorer_defaults_to_the_whole_cluster():
+    """Without a base config the explorer's dp is the cluster's world size (the batch of 8
+    splits over it), so `Explorer(cluster)` uses every rank."""
+    from labkit_widgets import Explorer
+
+    for ws, dp in ((2, 2), (4, 4), (3, 1), (6, 2)):
+        fake = type("C", (FakeCluster,), {"world_size": ws})()
+        ex = Explorer(fake, run_now=False, timeline=False)
+        assert ex.base.parallel.dp == dp and ex.controls["dp"].value == dp, (ws, dp)
+
+
 class FakeCluster:
     """``world_size`` + ``run(job, cfg)`` like a Cluster, answering from the schema."""
 

@@ -54,7 +54,8 @@ class Explorer(W.VBox):
         cluster: a warm :class:`labkit.Cluster` (anything with ``world_size`` and
             ``run(job, config)``).
         base_config: the run everything else comes from (default ``RunConfig()``: the tiny
-            GPT, global batch 8, 3 steps).
+            GPT, global batch 8, 3 steps, with dp = the cluster's world size when the batch
+            splits over it, else its largest divisor that does).
         job: what runs at ZeRO stage 0 without HSDP; default ``labkit.jobs.train``.
         run_now: run the starting configuration at construction.
         timeline: also show the run's per-rank timeline.
@@ -81,7 +82,12 @@ class Explorer(W.VBox):
 
             job = jobs.train
         self.cluster, self.job = cluster, job
-        self.base = base_config if base_config is not None else RunConfig()
+        if base_config is None:  # use the whole cluster: the largest dp the batch allows
+            base_config = RunConfig()
+            dp = max(d for d in range(1, cluster.world_size + 1)
+                     if cluster.world_size % d == 0 and base_config.global_batch % d == 0)
+            base_config = base_config.replace(dp=dp)
+        self.base = base_config
         self.history: list = []
         self.last_result = self.last_error = self.last_latency_s = None
         self._quiet = False
