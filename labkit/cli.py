@@ -286,7 +286,22 @@ def cmd_plan_memory(args) -> int:
 
 # --------------------------------------------------------------------------- main
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``labkit`` console script; returns the exit code."""
+    """Entry point of the ``labkit`` console script; returns the exit code.
+
+    Run as a script under torchrun (``argv`` None), a rank ends with ``os._exit`` once its
+    output is flushed: the process group is already destroyed, and skipping the
+    interpreter's teardown avoids an abort ("terminate called without an active
+    exception", SIGABRT) that gloo's C++ threads cause there in a few percent of runs.
+    """
+    rc = _main(argv)
+    if argv is None and under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words = [a for a in argv if not a.startswith("-")]
     bench = _load_bench_collectives() if words[:2] == ["bench", "collectives"] else None

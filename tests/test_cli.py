@@ -160,6 +160,24 @@ def test_bench_collectives_is_lazy(monkeypatch, capsys):
     assert info.value.code == 0 and "labkit bench collectives" in capsys.readouterr().out
 
 
+def test_script_under_torchrun_skips_interpreter_teardown(monkeypatch, capsys):
+    """As a script under torchrun, main() ends the rank with os._exit(rc) after flushing;
+    called with argv (as here and from Python code) it returns normally."""
+    exits = []
+
+    def fake_exit(rc):
+        exits.append(rc)
+        raise SystemExit(rc)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(cli.sys, "argv", ["labkit", "plan", "memory", "--params", "1e9"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert exits == [0] and "16,000,000,000" in capsys.readouterr().out
+    assert cli.main(["plan", "memory", "--params", "1e9"]) == 0 and exits == [0]
+
+
 def test_torchrun_detection():
     assert cli.under_torchrun({"TORCHELASTIC_RUN_ID": "x"})
     assert cli.under_torchrun({"LOCAL_RANK": "0", "WORLD_SIZE": "2"})
