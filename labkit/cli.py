@@ -29,6 +29,7 @@ import time
 from typing import Optional, Sequence
 
 from . import cli_pipeline
+from .preflight import check_output_path, check_run_fits
 from .cli_report import make_console, render_run, report, run_json
 
 __all__ = ["main", "build_parser", "render_run", "run_json", "under_torchrun"]
@@ -137,18 +138,18 @@ def _run_config(args, world_size: int):
     """The Run/Zero/PipelineConfig the arguments describe, validated for ``world_size``."""
     from .config import PRESETS, RunConfig
 
-    trace_dir = os.path.dirname(os.path.abspath(args.trace)) if args.trace else None
-    if trace_dir and not os.path.isdir(trace_dir):
-        raise UsageError(f"--trace {args.trace}: the folder {trace_dir} does not exist")
-    if cli_pipeline.wants_pipeline(args):
-        try:
-            return cli_pipeline.pipeline_config(args, world_size)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    try:
+        check_output_path(args.trace, "--trace")
+        if cli_pipeline.wants_pipeline(args):
+            return _fits(cli_pipeline.pipeline_config(args, world_size))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     dp = args.dp
     if dp is None or dp < 1:
         raise UsageError(f"dp must be a positive int, got {dp}")
-    if args.global_batch < 1 or args.global_batch % dp:
+    if args.global_batch < 1:
+        raise UsageError(f"global_batch must be a positive int, got {args.global_batch}")
+    if args.global_batch % dp:
         raise UsageError(f"global_batch={args.global_batch} is not divisible by dp={dp} "
                          f"(each rank takes global_batch/dp samples)")
     cfg = RunConfig(model=args.model, steps=args.steps, global_batch=args.global_batch,
@@ -156,6 +157,10 @@ def _run_config(args, world_size: int):
                     bucket_mb=args.bucket_mb, seed=args.seed, lr=args.lr,
                     dataset="digits" if getattr(PRESETS.get(args.model), "kind", "") == "vit"
                     else "text").replace(dp=dp)
+    if not args.prefetch and args.zero != 3:
+        raise UsageError(f"--no-prefetch is for ZeRO-3's all-gathers (--zero 3); "
+                         f"{'--zero ' + str(args.zero) if args.zero is not None else 'plain DP'}"
+                         " gathers no parameters")
     if args.zero is not None or args.hsdp_replicas != 1:
         from .parallel.zero_config import ZeroConfig
 
@@ -165,9 +170,17 @@ def _run_config(args, world_size: int):
         cfg = ZeroConfig(run=cfg, zero_stage=0 if args.zero is None else args.zero,
                          prefetch=args.prefetch, hsdp_replicas=args.hsdp_replicas)
     try:
-        return cfg.validate(world_size)
+        return _fits(cfg.validate(world_size))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _fits(cfg):
+    """``cfg`` once :func:`~labkit.preflight.check_run_fits` passes; under torchrun the
+    launcher has placed the processes (maybe on several nodes), so nothing is checked."""
+    if not under_torchrun():
+        check_run_fits(cfg)
+    return cfg
 
 
 def _job(cfg):

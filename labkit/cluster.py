@@ -27,6 +27,7 @@ import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
+from .preflight import check_world_size
 from .result import RankError, RunResult
 from .trace import Trace
 from .worker import check_config, job_reference
@@ -74,6 +75,8 @@ class Cluster:
                              f"world_size={world_size} but {gpus} GPU(s) are visible")
         if backend == "nccl" and device != "cuda":
             raise ValueError("backend 'nccl' needs device 'cuda'")
+        if backend == "gloo" and device != "cuda":
+            check_world_size(world_size)  # CPU ranks: at most a few per core
         self.world_size, self.backend, self.device = world_size, backend, device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)

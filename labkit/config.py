@@ -7,6 +7,7 @@ processes and be compared between runs. ``RunConfig.validate(world_size)`` raise
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -252,8 +253,9 @@ class RunConfig:
                              f"dp x micro_batch = {p.dp} x {self.micro} = {p.dp * self.micro}")
         if self.dp_mode not in ("ddp", "naive", "torch"):
             raise ValueError(f"dp_mode must be 'ddp', 'naive' or 'torch', got {self.dp_mode!r}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
+                and self.bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb!r}")
         if self.dataset not in ("text", "digits"):
             raise ValueError(f"dataset must be 'text' or 'digits', got {self.dataset!r}")
         if (self.dataset == "digits") != (mc.kind == "vit"):
@@ -276,8 +278,6 @@ def check_optimizer_and_timeout(cfg) -> None:
     Raises:
         ValueError: naming the field and the value.
     """
-    import math
-
     if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {cfg.lr!r}")
     if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay)

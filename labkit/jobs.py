@@ -12,6 +12,7 @@ import time
 import torch
 
 from . import comm
+from .config import RunConfig
 
 __all__ = ["hello", "fail", "sleep", "all_reduce_demo", "train"]
 
@@ -57,7 +58,7 @@ def all_reduce_demo(ctx, config=None) -> dict:
     return {"before": before, "after": x.tolist()}
 
 
-def train(ctx, config) -> dict:
+def train(ctx, config: RunConfig) -> dict:
     """Train ``config`` (a :class:`labkit.config.RunConfig`); see :func:`labkit.train.run`."""
     from .train import run
 

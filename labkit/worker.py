@@ -132,6 +132,9 @@ def check_config(job: Union[Callable, str], config: Any) -> None:
     import inspect
     import typing
 
+    if isinstance(config, type):
+        raise TypeError(f"config must be an instance, got the class {config.__name__}; "
+                        f"write {config.__name__}(...)")
     fn = resolve_job(*job_reference(job)) if isinstance(job, str) else job
     try:
         params = list(inspect.signature(fn).parameters.values())

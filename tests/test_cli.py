@@ -69,6 +69,13 @@ def test_run_prints_table_with_every_rank(tmp_path):
     (["--pp", "2", "--lr", "0"], ["lr must be", "0.0"]),
     (["--dp", "2", "--trace", "/nonexistent-labkit-dir/run.json"],
      ["--trace", "/nonexistent-labkit-dir does not exist"]),
+    (["--dp", "2", "--trace", "/tmp"], ["--trace /tmp: that is a folder"]),
+    (["--dp", "2", "--bucket-mb", "nan"], ["bucket_mb must be a finite number > 0, got nan"]),
+    (["--dp", "2", "--global-batch", "-8"], ["global_batch must be a positive int, got -8"]),
+    (["--dp", "2", "--no-prefetch"], ["--no-prefetch", "plain DP gathers no parameters"]),
+    (["--dp", "2", "--zero", "1", "--no-prefetch"], ["--zero 1 gathers no parameters"]),
+    (["--pp", "64"], ["pp=64 would start 64 rank processes", "CPU cores"]),
+    (["--pp", "2", "--n-layers", "100000"], ["GB of model state", "this machine's"]),
 ])
 def test_bad_input_exits_2_fast_without_traceback(args, words):
     t0 = time.perf_counter()
@@ -176,6 +183,28 @@ def test_script_under_torchrun_skips_interpreter_teardown(monkeypatch, capsys):
         cli.main()
     assert exits == [0] and "16,000,000,000" in capsys.readouterr().out
     assert cli.main(["plan", "memory", "--params", "1e9"]) == 0 and exits == [0]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--factor", "1"], ["--factor must be >= 2, got 1"]),
+    (["--min-size", "0"], ["need 1 <= --min-size <= --max-size, got 0"]),
+    (["--rounds", "0"], ["--rounds and --iters must be >= 1, got 0"]),
+    (["--iters", "-1"], ["got 8 and -1"]),
+    (["--world-size", "999"], ["999 rank processes", "CPU cores"]),
+    (["--html", "/nonexistent-labkit-dir/x.html"], ["--html", "does not exist"]),
+    (["--json", "/tmp"], ["--json /tmp: that is a folder"]),
+])
+def test_bench_bad_input_exits_2_before_any_rank(args, words):
+    """These used to loop forever (factor 1, min size 0), trace back from the ranks, or
+    fail after the whole sweep (output paths)."""
+    t0 = time.perf_counter()
+    proc = _labkit("-m", "labkit", "bench", "collectives", "--world-size", "2", "--max-size",
+                   "1KiB", *args, timeout=30)
+    assert time.perf_counter() - t0 < 10.0
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert all(w in err for w in words), err
 
 
 def test_torchrun_detection():

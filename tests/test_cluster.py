@@ -105,7 +105,20 @@ def test_config_of_the_wrong_class_refused_before_launch(cluster2):
         cluster.run(pipeline_train, RunConfig())
     with pytest.raises(TypeError, match="got int"):
         cluster.run("labkit.train:run", 3)
+    for bad in (None, {}, "train"):  # labkit.jobs.train, the README's first job, too
+        with pytest.raises(TypeError, match="labkit.jobs.train takes a RunConfig"):
+            cluster.run(labkit.jobs.train, bad)
+    with pytest.raises(TypeError, match="an instance, got the class RunConfig"):
+        cluster.run(labkit.jobs.train, RunConfig)
     assert cluster.run(train, RunConfig(steps=1)).losses
+
+
+def test_more_ranks_than_the_machine_can_hold_is_refused():
+    from labkit.preflight import MAX_RANKS_PER_CORE, cpu_cores
+
+    n = MAX_RANKS_PER_CORE * cpu_cores() + 1
+    with pytest.raises(ValueError, match=f"world_size={n} would start {n} rank processes"):
+        labkit.Cluster(n)
 
 
 def test_bad_arguments():

@@ -47,7 +47,13 @@ GOAL_RATIO, GOAL_MIN_BYTES = 0.8, 16 * MiB
 
 
 def default_sizes(lo: int = KiB, hi: int = 64 * MiB, factor: int = 4) -> tuple:
-    """``lo, lo·factor, …`` up to ``hi`` bytes (1 KiB … 64 MiB in powers of 4)."""
+    """``lo, lo·factor, …`` up to ``hi`` bytes (1 KiB … 64 MiB in powers of 4).
+
+    Raises:
+        ValueError: ``lo < 1`` or ``factor < 2`` (the sequence would never pass ``hi``).
+    """
+    if lo < 1 or factor < 2:
+        raise ValueError(f"need lo >= 1 and factor >= 2, got lo={lo}, factor={factor}")
     out, s = [], lo
     while s <= hi:
         out.append(s)
@@ -235,18 +241,31 @@ def main(args: argparse.Namespace) -> int:
 
     from ..cluster import Cluster
 
-    sizes = default_sizes(args.min_size, args.max_size, args.factor)
+    from ..preflight import check_output_path, check_world_size
+
     world_sizes = sorted(set(args.world_sizes or (2, 4)))
     ops = OPS if args.op == "all" else (args.op,)
     try:
-        if not sizes or args.factor < 2 or min(world_sizes) < 1:
-            raise ValueError("need --min-size <= --max-size, --factor >= 2, --world-size >= 1")
+        if args.factor < 2:
+            raise ValueError(f"--factor must be >= 2, got {args.factor}")
+        if not 1 <= args.min_size <= args.max_size:
+            raise ValueError(f"need 1 <= --min-size <= --max-size, got {args.min_size} and "
+                             f"{args.max_size} bytes")
+        if min(world_sizes) < 1:
+            raise ValueError(f"--world-size must be >= 1, got {min(world_sizes)}")
+        check_world_size(max(world_sizes), "--world-size")
+        if args.rounds < 1 or (args.iters is not None and args.iters < 1):
+            raise ValueError(f"--rounds and --iters must be >= 1, got {args.rounds} and "
+                             f"{args.iters}")
+        check_output_path(args.json, "--json")
+        check_output_path(args.html, "--html")
         for op in ops:
             for a in args.algorithms or ():
                 check_algorithm(op, a)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    sizes = default_sizes(args.min_size, args.max_size, args.factor)
     if max(world_sizes) > (os.cpu_count() or 1):
         print(f"note: {max(world_sizes)} ranks on {os.cpu_count()} cores share CPUs; "
               "timings are contended", file=sys.stderr)
