@@ -58,7 +58,8 @@ def pipeline_config(args, world_size=None):
 
     if args.pp is None:
         flags = [f for k, f in _ONLY_WITH_PP if getattr(args, k) is not None]
-        raise ValueError(f"{', '.join(flags)} configure pipeline parallelism: add --pp P")
+        verb = "configures" if len(flags) == 1 else "configure"
+        raise ValueError(f"{', '.join(flags)} {verb} pipeline parallelism: add --pp P")
     combined = [f"--dp {args.dp}" if args.dp not in (None, 1) else "",
                 f"--zero {args.zero}" if args.zero is not None else "",
                 f"--hsdp-replicas {args.hsdp_replicas}" if args.hsdp_replicas != 1 else ""]

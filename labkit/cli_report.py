@@ -78,16 +78,16 @@ def pipeline_notes(cfg, rep, info: dict) -> list:
     over_ms = 1e3 * (rep.hop_s + rep.dispatch_s)
     if over_ms > 0.2 * f_ms:
         notes.append(f"a stage's forward takes {f_ms:.2f} ms and the executor spends "
-                     f"{over_ms:.2f} ms (hop + dispatch) around each action, so the measured "
-                     "bubble is largely that overhead; a wider model (labkit.parallel."
-                     "pipeline.PP_BALANCED, benchmarks/pipeline_bubble.py) or a GPU per rank "
-                     "times the schedule itself")
+                     f"{over_ms:.2f} ms (hop + dispatch) around each action: the '+ executor' "
+                     "rung shows how much of the bubble that is; a wider model (labkit."
+                     "parallel.pipeline.PP_BALANCED, benchmarks/pipeline_bubble.py) or a GPU "
+                     "per rank times the schedule itself")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if info.get("backend") == "gloo" and cores and cfg.pp > cores:
         notes.append(f"{cfg.pp} ranks share {cores} CPU cores: spans stretch while a rank "
                      "waits for a core, and timings vary from run to run")
     if rep.flushes < 3:
-        notes.append(f"{rep.flushes} flush(es) measured: a single flush is noisy; "
+        notes.append(f"only {rep.flushes} flush(es) measured, and so few are noisy: "
                      "--steps 5 or more averages several")
     if cfg.model_config.tie_embeddings and cfg.pp > 1:
         notes.append("model state counts the tied embedding on both the first and the last "

@@ -218,3 +218,11 @@ def test_measure_bubble_refuses_a_schedule_the_trace_did_not_run():
                                          r"steps 0–1"):
         measure_bubble(events, ran, skip_steps=5)
     assert measure_bubble([e for e in events if e.step == 0], ran).flushes == 1
+    with pytest.raises(TypeError, match="schedule must be a Schedule"):
+        measure_bubble(events, "1f1b")
+    for bad in (-1, 1.5, True, "1", None):
+        with pytest.raises(ValueError, match="skip_steps must be an int >= 0"):
+            measure_bubble(events, ran, skip_steps=bad)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="comm must be a finite number"):
+            measure_bubble(events, ran, comm=bad)

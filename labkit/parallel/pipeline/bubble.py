@@ -37,6 +37,7 @@ Two more numbers check the model:
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -216,8 +217,18 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
     uses the hop and dispatch times measured from the trace instead.
 
     Raises:
-        ValueError: the trace holds no ``F``/``B``/``W``/``BW`` spans.
+        TypeError: ``schedule`` is not a :class:`~.schedules.Schedule`.
+        ValueError: the trace holds no ``F``/``B``/``W``/``BW`` spans, none at steps
+            ``>= skip_steps`` (with more than one step), or spans in an order that is not
+            ``schedule``'s; ``skip_steps`` not an int >= 0; ``comm`` negative or not finite.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule (cfg.build_schedule()), got "
+                        f"{type(schedule).__name__} {schedule!r:.40}")
+    if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
+        raise ValueError(f"skip_steps must be an int >= 0, got {skip_steps!r}")
+    if not (isinstance(comm, (int, float)) and math.isfinite(comm) and comm >= 0):
+        raise ValueError(f"comm must be a finite number of seconds >= 0, got {comm!r}")
     spans, used_skip = _measured_spans(trace, skip_steps)
     groups: dict = defaultdict(list)
     for e in spans:

@@ -46,8 +46,10 @@ def _batch(cfg: PipelineConfig, step: int):
 
 
 def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 16) -> float:
-    """One-way time (seconds) of one boundary tensor between ranks 0 and 1: half the median
-    round trip of a blocking ping-pong through labkit.comm (untraced). 0.0 with one rank.
+    """One-way time (seconds) of one boundary tensor between ranks 0 and 1: half the fastest
+    of ``rounds`` round trips of a blocking ping-pong through labkit.comm (untraced): the
+    message's own time, without interference from other work on the machine (which the
+    executor's hop time, measured in the run, does include). 0.0 with one rank.
 
     Every rank of ``ctx.group`` must call it: barriers on both sides keep the other ranks
     from computing (or packing their results) while it runs, which on a machine with fewer
@@ -71,7 +73,7 @@ def p2p_latency(ctx, shape: tuple, dtype=torch.float32, rounds: int = 16) -> flo
         comm.barrier(ctx.group)
     finally:
         ctx.tracer.enabled = enabled
-    return statistics.median(rtts[1:]) / 2 if rtts else 0.0
+    return min(rtts[1:]) / 2 if rtts else 0.0
 
 
 def _train(ctx, cfg: PipelineConfig, stages: dict, flush_fn, loss_rank: int) -> dict:
@@ -125,8 +127,8 @@ def pipeline_train(ctx, cfg: PipelineConfig) -> dict:
 
     With ``cfg.impl == "torch"`` it runs :func:`torch_pipeline_train` instead. Metrics
     also hold ``peak_activation_bytes`` and ``peak_inflight`` (stage-microbatches)
-    measured on this rank with saved-tensor hooks, and on rank 0 ``p2p_latency_s``: the
-    one-way time of one boundary tensor (:func:`p2p_latency`, after training), which
+    measured on this rank with saved-tensor hooks, and ``p2p_latency_s`` (rank 0; ``None``
+    on the others): the one-way time of one boundary tensor (:func:`p2p_latency`, after training), which
     :func:`~.bubble.measure_bubble` can add to every hop of its prediction.
     """
     cfg.validate(ctx.world_size)
@@ -143,10 +145,10 @@ def pipeline_train(ctx, cfg: PipelineConfig) -> dict:
                           dtype, ctx.device, store, meter)
     out = _train(ctx, cfg, stages, lambda x, y, scale, f: ex.run(x, y, scale, f),
                  sched.stage_rank(sched.n_stages - 1))
+    lat = p2p_latency(ctx, (cfg.micro, mc.seq_len, mc.d_model), dtype)  # every rank calls
     out["metrics"].update(peak_activation_bytes=meter.peak_bytes,
                           peak_inflight=meter.peak_count,
-                          p2p_latency_s=p2p_latency(ctx, (cfg.micro, mc.seq_len, mc.d_model),
-                                                    dtype))
+                          p2p_latency_s=lat if ctx.rank == 0 else None)
     return out
 
 
