@@ -138,6 +138,8 @@ def _run_config(args, world_size: int):
     """The Run/Zero/PipelineConfig the arguments describe, validated for ``world_size``."""
     from .config import PRESETS, RunConfig
 
+    if args.trace is not None and not args.trace.strip():
+        raise UsageError("--trace needs a file name, got an empty one")
     try:
         check_output_path(args.trace, "--trace")
         if cli_pipeline.wants_pipeline(args):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["MAX_RANKS_PER_CORE", "cpu_cores", "machine_memory_bytes", "check_world_size",
+__all__ = ["MAX_RANKS_PER_CORE", "PROCESS_BYTES", "cpu_cores", "machine_memory_bytes", "check_world_size",
            "check_output_path", "check_model_state_fits", "check_run_fits"]
 
 #: ranks beyond this many per core only time the operating system's sharing of the cores
@@ -25,11 +25,23 @@ def cpu_cores() -> int:
 
 
 def machine_memory_bytes() -> Optional[int]:
-    """Physical memory in bytes, or ``None`` where the OS does not say."""
+    """Memory available to new processes now, in bytes (``MemAvailable`` from
+    ``/proc/meminfo``; physical memory where that is missing), or ``None``."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+#: a rank process's own footprint before any model (Python, torch, gloo), bytes
+PROCESS_BYTES = 350e6
 
 
 def check_world_size(n: int, field: str = "world_size") -> None:
@@ -61,24 +73,26 @@ def check_output_path(path: Optional[str], flag: str) -> None:
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
 
 
-def check_model_state_fits(total_bytes: float, what: str, fraction: float = 0.8) -> None:
-    """Refuse a run whose model state alone (parameters, gradients, optimizer, summed over
-    the ranks on this machine) exceeds ``fraction`` of physical memory.
+def check_model_state_fits(total_bytes: float, what: str, fraction: float = 0.9) -> None:
+    """Refuse a run whose estimated resident bytes (summed over the ranks on this machine)
+    exceed ``fraction`` of the memory available now.
 
     Raises:
         ValueError: naming both sizes in GB.
     """
     mem = machine_memory_bytes()
     if mem and total_bytes > fraction * mem:
-        raise ValueError(f"{what} needs {total_bytes / 1e9:.1f} GB of model state across its "
-                         f"ranks, more than {fraction:.0%} of this machine's "
-                         f"{mem / 1e9:.1f} GB; use a smaller model or fewer ranks")
+        raise ValueError(f"{what} needs about {total_bytes / 1e9:.1f} GB before activations, "
+                         f"more than {fraction:.0%} of the {mem / 1e9:.1f} GB this machine has "
+                         "available; use a smaller model or fewer ranks")
 
 
 def check_run_fits(cfg) -> None:
-    """A validated Run/Zero/PipelineConfig fits this machine: its rank count, and its model
-    state (fp32 AdamW, 16 bytes per parameter, sharded by the ZeRO stage) summed over the
-    ranks within physical memory. Activations come on top and are not counted.
+    """A validated Run/Zero/PipelineConfig fits this machine: its rank count, and per rank
+    the larger of its model state (fp32 AdamW, 16 bytes per parameter, sharded by the ZeRO
+    stage or split over pipeline stages) and the whole fp32 model it builds first, plus
+    ``PROCESS_BYTES``, summed over the ranks within the memory available now. Activations
+    come on top and are not counted, so this refuses only what cannot fit.
 
     Raises:
         ValueError: from :func:`check_world_size` or :func:`check_model_state_fits`.
@@ -87,13 +101,18 @@ def check_run_fits(cfg) -> None:
     from .plan.memory import model_state_bytes
 
     run = getattr(cfg, "run", cfg)  # a ZeroConfig wraps its RunConfig
-    if hasattr(cfg, "schedule"):  # pipeline: the stages hold one model between them
-        ranks, field, total = cfg.pp, "pp", 16.0 * count_params(cfg.model_config)
+    mc = cfg.model_config if hasattr(cfg, "schedule") else run.model_config
+    psi = count_params(mc)
+    full = 4.0 * psi  # every rank builds the whole fp32 model before sharding or cutting it
+    if hasattr(cfg, "schedule"):  # pipeline: the stages share one model's state
+        ranks, field = cfg.pp, "pp"
+        per_rank = full + 16.0 * psi / ranks
     else:
         ranks, field = run.parallel.world_size, "dp"
-        per_rank = model_state_bytes(count_params(run.model_config), run.parallel.dp,
-                                     getattr(cfg, "zero_stage", 0), mixed_precision=False)
-        total = ranks * per_rank["total"]
+        per_rank = max(full, model_state_bytes(psi, run.parallel.dp,
+                                               getattr(cfg, "zero_stage", 0),
+                                               mixed_precision=False)["total"])
     check_world_size(ranks, field)
-    check_model_state_fits(total, f"model {getattr(cfg, 'model', run.model)!r} on {ranks} "
-                                  f"rank(s)")
+    check_model_state_fits(ranks * (per_rank + PROCESS_BYTES),
+                           f"model {mc.name or 'custom'} ({mc.n_layers} layers, "
+                           f"{psi / 1e6:,.1f}M parameters) on {ranks} rank(s)")

@@ -75,7 +75,9 @@ def test_run_prints_table_with_every_rank(tmp_path):
     (["--dp", "2", "--no-prefetch"], ["--no-prefetch", "plain DP gathers no parameters"]),
     (["--dp", "2", "--zero", "1", "--no-prefetch"], ["--zero 1 gathers no parameters"]),
     (["--pp", "64"], ["pp=64 would start 64 rank processes", "CPU cores"]),
-    (["--pp", "2", "--n-layers", "100000"], ["GB of model state", "this machine's"]),
+    (["--pp", "2", "--n-layers", "100000"], ["100000 layers", "GB before activations",
+                                              "this machine has available"]),
+    (["--dp", "2", "--trace", ""], ["--trace needs a file name"]),
 ])
 def test_bad_input_exits_2_fast_without_traceback(args, words):
     t0 = time.perf_counter()
@@ -188,8 +190,9 @@ def test_script_under_torchrun_skips_interpreter_teardown(monkeypatch, capsys):
 @pytest.mark.parametrize("args,words", [
     (["--factor", "1"], ["--factor must be >= 2, got 1"]),
     (["--min-size", "0"], ["need 1 <= --min-size <= --max-size, got 0"]),
-    (["--rounds", "0"], ["--rounds and --iters must be >= 1, got 0"]),
-    (["--iters", "-1"], ["got 8 and -1"]),
+    (["--rounds", "0"], ["--rounds and --iters must be >= 1, got --rounds 0, --iters auto"]),
+    (["--iters", "-1"], ["--iters -1"]),
+    (["--world-size", "1"], ["--world-size must be >= 2"]),
     (["--world-size", "999"], ["999 rank processes", "CPU cores"]),
     (["--html", "/nonexistent-labkit-dir/x.html"], ["--html", "does not exist"]),
     (["--json", "/tmp"], ["--json /tmp: that is a folder"]),

@@ -7,6 +7,7 @@ Bubble definitions used below (see labkit.parallel.pipeline.simulate):
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from labkit.parallel.pipeline.schedules import (SCHEDULES, Action, Schedule, build, gpipe,
@@ -223,6 +224,9 @@ def test_measure_bubble_refuses_a_schedule_the_trace_did_not_run():
     for bad in (-1, 1.5, True, "1", None):
         with pytest.raises(ValueError, match="skip_steps must be an int >= 0"):
             measure_bubble(events, ran, skip_steps=bad)
-    for bad in (-1.0, float("nan"), float("inf")):
+    with pytest.raises(TypeError, match="trace must be"):
+        measure_bubble(None, ran)
+    assert measure_bubble(events, ran, skip_steps=np.int64(1), comm=np.float32(1e-4)).flushes == 1
+    for bad in (-1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="comm must be a finite number"):
             measure_bubble(events, ran, comm=bad)

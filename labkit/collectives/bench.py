@@ -251,12 +251,13 @@ def main(args: argparse.Namespace) -> int:
         if not 1 <= args.min_size <= args.max_size:
             raise ValueError(f"need 1 <= --min-size <= --max-size, got {args.min_size} and "
                              f"{args.max_size} bytes")
-        if min(world_sizes) < 1:
-            raise ValueError(f"--world-size must be >= 1, got {min(world_sizes)}")
+        if min(world_sizes) < 2:
+            raise ValueError(f"--world-size must be >= 2 (a collective needs two ranks to "
+                             f"move anything), got {min(world_sizes)}")
         check_world_size(max(world_sizes), "--world-size")
         if args.rounds < 1 or (args.iters is not None and args.iters < 1):
-            raise ValueError(f"--rounds and --iters must be >= 1, got {args.rounds} and "
-                             f"{args.iters}")
+            raise ValueError(f"--rounds and --iters must be >= 1, got --rounds {args.rounds}"
+                             f", --iters {'auto' if args.iters is None else args.iters}")
         check_output_path(args.json, "--json")
         check_output_path(args.html, "--html")
         for op in ops:

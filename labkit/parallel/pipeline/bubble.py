@@ -38,6 +38,7 @@ Two more numbers check the model:
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -225,10 +226,15 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule (cfg.build_schedule()), got "
                         f"{type(schedule).__name__} {schedule!r:.40}")
-    if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 0:
+    if trace is None:
+        raise TypeError("trace must be a labkit Trace (result.trace) or a list of events")
+    if (isinstance(skip_steps, bool) or not isinstance(skip_steps, numbers.Integral)
+            or skip_steps < 0):
         raise ValueError(f"skip_steps must be an int >= 0, got {skip_steps!r}")
-    if not (isinstance(comm, (int, float)) and math.isfinite(comm) and comm >= 0):
+    if (isinstance(comm, bool) or not isinstance(comm, numbers.Real)
+            or not math.isfinite(comm) or comm < 0):
         raise ValueError(f"comm must be a finite number of seconds >= 0, got {comm!r}")
+    skip_steps, comm = int(skip_steps), float(comm)
     spans, used_skip = _measured_spans(trace, skip_steps)
     groups: dict = defaultdict(list)
     for e in spans:
