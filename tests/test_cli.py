@@ -90,7 +90,9 @@ def test_bad_input_exits_2_fast_without_traceback(args, words):
         assert w in err
 
 
-def test_bad_input_starts_no_process(monkeypatch, capsys):
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """Fail the test if anything starts a Cluster; not under torchrun."""
     import labkit.cluster
 
     def boom(*a, **k):
@@ -99,19 +101,14 @@ def test_bad_input_starts_no_process(monkeypatch, capsys):
     monkeypatch.setattr(labkit.cluster, "Cluster", boom)
     for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
+
+
+def test_bad_input_starts_no_process(no_cluster, capsys):
     assert cli.main(["run", "--dp", "3", "--model", "tiny"]) == 2
     assert "global_batch=8" in capsys.readouterr().err
 
 
-def test_zero_bad_input_starts_no_process(monkeypatch, capsys):
-    import labkit.cluster
-
-    def boom(*a, **k):
-        raise AssertionError("a Cluster was started for invalid input")
-
-    monkeypatch.setattr(labkit.cluster, "Cluster", boom)
-    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
+def test_zero_bad_input_starts_no_process(no_cluster, capsys):
     for argv, words in ((["--zero", "4"], ["got 4"]),
                         (["--zero", "2", "--hsdp-replicas", "4"], ["hsdp_replicas=4", "dp=2"]),
                         (["--zero", "3", "--dp-mode", "naive"], ["--dp-mode naive"])):
@@ -289,15 +286,7 @@ def test_pp_bad_input_exits_2_fast(args, words):
     assert all(w in err for w in words), err
 
 
-def test_pp_bad_input_starts_no_process(monkeypatch, capsys):
-    import labkit.cluster
-
-    def boom(*a, **k):
-        raise AssertionError("a Cluster was started for invalid input")
-
-    monkeypatch.setattr(labkit.cluster, "Cluster", boom)
-    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
+def test_pp_bad_input_starts_no_process(no_cluster, capsys):
     assert cli.main(["run", "--pp", "2", "--microbatches", "3"]) == 2
     assert "microbatches=3" in capsys.readouterr().err
 
