@@ -38,8 +38,10 @@ class RankContext:
         group: process group spanning the job's ranks (pass it explicitly to labkit.comm).
         backend: ``"gloo"`` or ``"nccl"``.
         tracer: this rank's :class:`~labkit.trace.Tracer`.
-        cache: per-process dict that survives between jobs on a warm cluster (process
-            groups, calibrations); never results.
+        cache: per-process dict that survives between jobs on a warm cluster
+            (calibrations, FLOP counts); never results.
+        groups: the pool's :class:`~labkit.mesh.ProcessGroups`: every group of the job's
+            mesh was created on every rank before the job started.
     """
 
     rank: int
@@ -49,10 +51,21 @@ class RankContext:
     backend: str
     tracer: Any
     cache: dict = field(default_factory=dict)
+    groups: Any = None
 
     @property
     def is_cuda(self) -> bool:
         return getattr(self.device, "type", "cpu") == "cuda"
+
+    def mesh_groups(self, mesh):
+        """This rank's :class:`~labkit.mesh.MeshGroups` of ``mesh`` (groups created on demand
+        when every rank runs the job, as under torchrun)."""
+        from .mesh import MeshGroups, ProcessGroups
+
+        if self.groups is None:
+            self.groups = ProcessGroups()
+        self.groups.ensure(mesh.required_groups())
+        return MeshGroups(mesh, self.rank, self.groups)
 
 
 _LOADED: dict = {}  # module name -> source mtime when this rank imported it
@@ -186,7 +199,9 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
         return
     conn.send(("ready", None, rank, {"pid": os.getpid(), "device": str(device),
                                      "threads": torch.get_num_threads()}))
-    groups: dict[int, Any] = {world_size: dist.group.WORLD}
+    from .mesh import ProcessGroups, mesh_from
+
+    groups = ProcessGroups()
     cache: dict = {}
     while True:
         try:
@@ -198,14 +213,17 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
             break
         module, qualname, config, nranks = msg[2:]
         try:
-            if nranks not in groups:  # every rank takes part in creating a sub-group
-                groups[nranks] = dist.new_group(list(range(nranks)))
+            # every rank, idle ones too, creates the job's groups in the same order, once
+            # per pool: new_group is collective over the whole world
+            mesh = mesh_from(config)
+            groups.ensure([range(nranks)] + (mesh.required_groups() if mesh else []))
             if rank >= nranks:
                 conn.send(("idle", job_id, rank, None))
                 continue
             job = resolve_job(module, qualname, reload_changed=True)
             tracer = Tracer(rank, device)
-            ctx = RankContext(rank, nranks, device, groups[nranks], backend, tracer, cache)
+            ctx = RankContext(rank, nranks, device, groups.get(range(nranks)), backend, tracer,
+                              cache, groups)
             with use_tracer(tracer):
                 out = job(ctx, config)
             conn.send(("result", job_id, rank, {"output": out, "events": tracer.events}))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 
 __all__ = ["GPT", "Block", "Attention", "SwiGLU", "RMSNorm", "rope_tables", "apply_rope",
-           "count_params", "ATTENTION_IMPLS"]
+           "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS"]
 
 ATTENTION_IMPLS = ("sdpa", "math")
 INIT_STD = 0.02  # GPT-2 / Llama reference initialisation
@@ -54,6 +54,18 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0,
                          / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def rope_slice(cos: torch.Tensor, sin: torch.Tensor, s: int,
+               positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the rotary tables attention uses: the first ``s``, or the rows
+    ``positions`` (int64 ``(n,)``, the positions of the tokens attention sees on this rank)
+    when they are not ``0 … s−1``: context parallelism's zigzag split, or sequence
+    parallelism, where the residual stream holds ``s = n/tp`` tokens but attention all of
+    them."""
+    if positions is None:
+        return cos[:s], sin[:s]
+    return cos[positions], sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,10 +108,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, **kw)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, **kw)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, **kw)
+        #: ``core(q, k, v) -> out``: replaces :func:`attention_core` (context parallelism)
+        self.core = None
 
     def forward(self, x: torch.Tensor,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """``x`` ``(B, S, H)`` → ``(B, S, H)``; ``rope`` = ``(cos, sin)`` each ``(S, D/2)``."""
+        """``x`` ``(B, S, H)`` → ``(B, S, H)``; ``rope`` = ``(cos, sin)`` each ``(S, D/2)``.
+
+        The attention itself is ``self.core(q, k, v)`` when set, else :func:`attention_core`:
+        ``q`` ``(B, A, S, D)``, ``k``/``v`` ``(B, K, S, D)`` after rotary, before any
+        grouped-query repeat; it returns ``(B, A, S, D)``.
+        """
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -107,20 +126,35 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # materialised repeat keeps both impls on the same, plain MHA code path
-            rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if self.impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        if self.core is not None:  # context parallelism swaps in its own attention
+            out = self.core(q, k, v)
         else:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-            if self.causal:
-                future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-                scores = scores.masked_fill(future, float("-inf"))
-            out = scores.float().softmax(dim=-1).type_as(q) @ v
+            out = attention_core(q, k, v, self.causal, self.impl)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                   impl: str = "sdpa") -> torch.Tensor:
+    """``softmax(QKᵀ/√D + mask)V`` (Vaswani et al. 2017, eq. 1), grouped-query aware.
+
+    ``q`` ``(B, A, S, D)``; ``k``, ``v`` ``(B, K, S, D)`` with ``K`` dividing ``A``: each group
+    of ``A/K`` query heads shares one K/V head (Ainslie et al. 2023, §2), realised by repeating
+    the K/V heads. ``impl="sdpa"`` calls ``F.scaled_dot_product_attention``, ``"math"`` the
+    explicit formula. Returns ``(B, A, S, D)``.
+    """
+    if k.shape[1] != q.shape[1]:
+        # materialised repeat keeps both impls on the same, plain MHA code path
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    s = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores.float().softmax(dim=-1).type_as(q) @ v
 
 
 class SwiGLU(nn.Module):
@@ -220,6 +254,8 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        #: global positions of this rank's tokens (int64 ``(S,)``), ``None`` = ``0 … S−1``
+        self.positions: Optional[torch.Tensor] = None
         if target.type != "meta":
             self.to_empty(device=target)
         self.reset_parameters()
@@ -252,7 +288,7 @@ class GPT(nn.Module):
         s = idx.shape[1]
         if s > self.cfg.seq_len:
             raise ValueError(f"sequence length {s} exceeds cfg.seq_len={self.cfg.seq_len}")
-        rope = (self.rope_cos[:s], self.rope_sin[:s])
+        rope = rope_slice(self.rope_cos, self.rope_sin, s, self.positions)
         x = self.tok_emb(idx)
         for layer in self.layers:
             x = layer(x, rope)

@@ -32,6 +32,7 @@ from torch import nn
 from ... import comm
 from ...config import ModelConfig
 from ...models import build_model
+from ...models.gpt import rope_slice
 
 __all__ = ["StageModule", "build_stages", "layer_ranges", "SplitLinear", "WeightGradStore",
            "ActivationMeter", "TiedEmbedding"]
@@ -63,12 +64,12 @@ class StageModule(nn.Module):
         self.head = gpt.head if self.is_last else None
         self.register_buffer("rope_cos", gpt.rope_cos, persistent=False)
         self.register_buffer("rope_sin", gpt.rope_sin, persistent=False)
+        self.positions = gpt.positions  # see GPT.positions (context parallelism)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.tok_emb(x)
-        s = x.shape[1]
-        rope = (self.rope_cos[:s], self.rope_sin[:s])
+        rope = rope_slice(self.rope_cos, self.rope_sin, x.shape[1], self.positions)
         for layer in self.layers:
             x = layer(x, rope)
         if self.is_last:
