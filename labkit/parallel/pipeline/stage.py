@@ -77,9 +77,13 @@ class StageModule(nn.Module):
         return x
 
     @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats/token) of logits ``(b, S, V)`` against ``(b, S)``."""
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    def loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy (nats) of logits ``(b, S, V)`` against ``(b, S)``: the mean over the
+        tokens, or with ``reduction="sum"`` their sum (the one training job divides that by
+        the global token count). Tensor parallelism replaces it with the vocab-parallel
+        cross-entropy."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction=reduction)
 
     def full_name(self, name: str) -> str:
         """Local parameter name → the full GPT's (``layers.0.…`` → ``layers.{first}.…``)."""
