@@ -140,15 +140,15 @@ def calibrate_cpu_peak(n: int = 512, seconds: float = 0.3,
 def rank_peak_flops(ctx, dtype: torch.dtype = torch.float32) -> Optional[float]:
     """Peak FLOP/s of one rank of a running job, cached in ``ctx.cache`` for the process.
 
-    CUDA: the datasheet peak for ``dtype`` (``None`` for a GPU not in the table). CPU: the
-    fp32 matmul loop run on all ``ctx.world_size`` ranks at once after a barrier, and the
-    mean of their rates (an all-reduce with tracing off, so the job's trace holds only its
+    CUDA: the datasheet peak for ``dtype`` (``None`` for a GPU not in the table). CPU: a
+    ``dtype`` matmul loop run on all ``ctx.world_size`` ranks at once after a barrier, and
+    the mean of their rates (an all-reduce with tracing off, so the job's trace holds only its
     own traffic). Every rank of ``ctx.group`` must call it.
     """
     from .. import comm
     from .peak import device_peak_flops
 
-    key = ("peak", str(ctx.device), ctx.world_size, dtype if ctx.is_cuda else torch.float32)
+    key = ("peak", str(ctx.device), ctx.world_size, dtype)
     if key in ctx.cache:
         return ctx.cache[key]
     if ctx.is_cuda:
@@ -166,7 +166,7 @@ def rank_peak_flops(ctx, dtype: torch.dtype = torch.float32) -> Optional[float]:
 
     multi = ctx.world_size > 1
     ctx.cache[key] = calibrate_cpu_peak(
-        dtype=torch.float32, ranks=ctx.world_size,
+        dtype=dtype, ranks=ctx.world_size,
         barrier=(lambda: comm.barrier(ctx.group)) if multi else None,
         combine=mean_over_ranks if multi else None)
     return ctx.cache[key]

@@ -52,12 +52,25 @@ class PipelineExecutor:
         meter: an :class:`ActivationMeter` (optional).
         prefetch: post each receive this many compute actions before the one that needs
             it, so gloo's receive-ready handshake and the transfer overlap compute.
+        pp_ranks: global rank of each pipeline rank (``pp_ranks[i]`` runs stage rank
+            ``i``); default ``0 … P−1``. The one training job runs a pipeline per data and
+            tensor coordinate, each over its own ranks.
+        forward_fns: ``{stage: callable}`` that runs a stage's forward (a data-parallel
+            wrapper around it); default the stage module itself.
+        loss_reduction: ``"mean"`` or ``"sum"`` over a microbatch's tokens, before
+            ``loss_scale`` (the one training job uses the sum over the global token count).
     """
 
     def __init__(self, schedule: Schedule, stages: dict, rank: int, group, act_shape: tuple,
                  dtype=torch.float32, device="cpu", store: Optional[WeightGradStore] = None,
-                 meter: Optional[ActivationMeter] = None, prefetch: int = 2):
+                 meter: Optional[ActivationMeter] = None, prefetch: int = 2,
+                 pp_ranks: Optional[tuple] = None, forward_fns: Optional[dict] = None,
+                 loss_reduction: str = "mean"):
         self.sched, self.stages, self.rank, self.group = schedule, stages, rank, group
+        self.pp_ranks = tuple(pp_ranks) if pp_ranks is not None else tuple(
+            range(schedule.pp))
+        self.forward_fns = forward_fns or {}
+        self.loss_reduction = loss_reduction
         self.plan = with_comms(schedule, prefetch).actions[rank]
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
         self.store, self.meter = store, meter
@@ -81,8 +94,12 @@ class PipelineExecutor:
         """
         m = self.sched.microbatches
         b = x.shape[0] // m
-        owner = self.sched.stage_rank
-        me = self.rank
+        stage_rank, ranks = self.sched.stage_rank, self.pp_ranks
+
+        def owner(stage: int) -> int:  # the global rank running ``stage``
+            return ranks[stage_rank(stage)]
+
+        me = ranks[self.rank]
         recvd, local_in, local_grad, grad_out = {}, {}, {}, {}
         inputs, outputs, sends, losses = {}, {}, [], []
         meter = self.meter
@@ -109,9 +126,10 @@ class PipelineExecutor:
                 with region("F", stage=s, microbatch=i, flush=flush):
                     ctx = meter.forward((s, i)) if meter is not None else contextlib.nullcontext()
                     with ctx:
-                        out = stage(inp)
+                        out = self.forward_fns.get(s, stage)(inp)
                         if stage.is_last:
-                            out = stage.loss(out, y[i * b:(i + 1) * b]) * loss_scale
+                            out = stage.loss(out, y[i * b:(i + 1) * b],
+                                             self.loss_reduction) * loss_scale
                 if stage.is_last:
                     losses.append(out.detach())
                 elif owner(s + 1) == me:

@@ -214,17 +214,21 @@ class ActivationMeter:
 class TiedEmbedding:
     """Sum the tied embedding/head gradient between the first and last stage's ranks.
 
-    A no-op when the model is untied or both stages are on one rank (one parameter)."""
+    A no-op when the model is untied or both stages are on one rank (one parameter).
+    ``rank`` is the pipeline rank (stage rank) and ``pp_ranks[i]`` the global rank of
+    pipeline rank ``i`` (default ``0 … P−1``)."""
 
     TAG = 2**30 - 1
 
-    def __init__(self, model_cfg: ModelConfig, schedule, rank: int, stages: dict, group=None):
+    def __init__(self, model_cfg: ModelConfig, schedule, rank: int, stages: dict, group=None,
+                 pp_ranks: Optional[tuple] = None):
         first, last = schedule.stage_rank(0), schedule.stage_rank(schedule.n_stages - 1)
+        ranks = tuple(pp_ranks) if pp_ranks is not None else tuple(range(schedule.pp))
         self.param, self.peer, self.group = None, None, group
         if model_cfg.tie_embeddings and first != last and rank in (first, last):
             mod = stages[0] if rank == first else stages[schedule.n_stages - 1]
             self.param = mod.tok_emb.weight if rank == first else mod.head.weight
-            self.peer = last if rank == first else first
+            self.peer = ranks[last if rank == first else first]
 
     def sync(self) -> None:
         if self.param is None or self.param.grad is None:

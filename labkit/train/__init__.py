@@ -1,0 +1,169 @@
+"""The ONE training job: every parallelism composed over one mesh, traced and measured.
+
+``run(ctx, cfg)`` is what :func:`labkit.jobs.train` executes on each rank of a
+:class:`labkit.Cluster` (or under ``torchrun``). It
+
+1. validates ``cfg`` and takes this rank's view of the mesh (``cfg.mesh``, the groups
+   already created on every rank of the pool: :mod:`labkit.mesh`);
+2. composes the rank's model (:mod:`labkit.train.build`): pipeline split → (tensor,
+   context, expert) → activation checkpointing → data parallelism / ZeRO / FSDP / HSDP →
+   AdamW;
+3. runs ``cfg.steps`` steps (:mod:`labkit.train.step`): microbatches, or pipeline flushes
+   through the executor, then the gradient reductions and the optimizer — every rank's
+   loss is the sum of its token losses over the global token count, every reduction a sum;
+4. measures (:mod:`labkit.train.metrics`): step time, memory by category, bytes per axis
+   and collective, FLOPs and MFU/HFU, each beside its prediction.
+
+``reference(cfg)`` trains the same model on the same global batches in one process with
+no communication: the ground truth every composition must match.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..models import build_model
+from ..models.data import make_batch
+from ..parallel.dp import unique_parameters
+from .build import RankSetup, build_rank
+from .data import local_rows, rank_batch, tokens_per_sample
+from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
+                      predicted_memory, run_steps, steady_step_time)
+from .step import make_step
+
+__all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
+           "steady_step_time", "RankSetup"]
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """All trainable parameters (tied ones once), flattened into one fp32 CPU vector."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for _, p in unique_parameters(model)])
+
+
+def run(ctx, cfg) -> dict:
+    """Train ``cfg`` (a :class:`labkit.config.RunConfig`) on this rank.
+
+    Returns plain data: ``{"losses": [global mean loss per step, the same on every rank],
+    "metrics": {...}}``, plus ``"state"`` (this rank's parameters by full-model name, full
+    shape, fp32, after training) with ``cfg.return_state`` and ``"grads"`` (the first
+    step's reduced gradients, the same form) with ``cfg.return_grads``.
+    """
+    cfg.validate(ctx.world_size)
+    mg = ctx.mesh_groups(cfg.mesh)
+    setup = build_rank(ctx, cfg, mg)
+    executor = meter = None
+    if cfg.parallel.pp > 1:
+        from .pipeline import make_executor
+
+        executor, meter = make_executor(setup)
+    out: dict = {}
+    step = make_step(setup, executor, on_synced=_grab_grads(setup, out) if cfg.return_grads
+                     else None)
+    shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
+                                      ctx.device, track=setup.track)
+    ctx.tracer.step = -1
+    losses = _global_losses(ctx, setup, shares)
+    step_time = steady_step_time(times)
+    timed = 1 if len(times) > 1 else 0
+    metrics = {"rank": ctx.rank, "coords": dict(mg.coords), "mesh": str(cfg.mesh.shape),
+               "model": cfg.model_config.name, "n_params": setup.n_params,
+               "rank_params": setup.rank_params, "stages": sorted(setup.stages),
+               "dp": cfg.parallel.dp, "pp": cfg.parallel.pp, "zero_stage": cfg.zero_stage,
+               "micro_batch": cfg.micro, "accum_steps": cfg.accum_steps,
+               "tokens_per_step": cfg.global_batch * tokens_per_sample(cfg),
+               "step_time_s": step_time, "step_times": times, "checkpoint": cfg.checkpoint,
+               "precision": cfg.precision, "impl": cfg.impl,
+               "memory_predicted": predicted_memory(setup)}
+    if report is not None:
+        metrics["memory"] = memory_metrics(report, setup)
+    metrics.update(comm_metrics(ctx, setup, timed))
+    if cfg.zero_stage == 3 and setup.sharded:
+        metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
+    metrics.update(flops_and_mfu(ctx, setup, step_time))
+    if executor is not None:
+        from .pipeline import p2p_latency
+
+        metrics.update(peak_activation_bytes=meter.peak_bytes, peak_inflight=meter.peak_count,
+                       p2p_latency_s=p2p_latency(ctx, setup))
+    out.update(losses=losses, metrics=metrics)
+    if cfg.return_state:
+        out["state"] = _rank_state(setup)
+    return out
+
+
+def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
+    """Sum every rank's loss share into the global mean loss per step, on every rank.
+
+    Only ranks that computed a loss contribute (the last pipeline stage; a tensor-parallel
+    group counts once). One untraced all-reduce after training: bookkeeping, not traffic."""
+    t = torch.tensor(shares, dtype=torch.float64)
+    if ctx.world_size == 1:
+        return t.tolist()
+    enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
+    try:
+        comm.all_reduce(t, "sum", ctx.group)
+    finally:
+        ctx.tracer.enabled = enabled
+    return t.tolist()
+
+
+def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
+    """``{full name: fp32 CPU tensor}`` over this rank's stages: ``fn_wrapper(w)`` for
+    sharded stages (gathered ``{local name: tensor}``), ``fn_param(p)`` for the rest."""
+    out = {}
+    sharded = {id(w.module): w for w in setup.sharded}
+    for s in sorted(setup.stages):
+        m = setup.stages[s]
+        full = getattr(m, "full_name", lambda n: n)
+        if id(m) in sharded:
+            for name, t in fn_wrapper(sharded[id(m)]).items():
+                out[full(name)] = t.detach().float().cpu().clone()
+        for name, p in unique_parameters(m):
+            if id(m) not in sharded or full(name) not in out:
+                v = fn_param(p)
+                if v is not None:
+                    out[full(name)] = v
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().float().cpu().clone()
+
+
+def _rank_state(setup: RankSetup) -> dict:
+    return _named(setup, _full, lambda w: w.full_state_dict())
+
+
+def _grab_grads(setup: RankSetup, out: dict):
+    def grab(step: int) -> None:
+        if step == 0:
+            out["grads"] = _named(setup, lambda p: None if p.grad is None else _full(p.grad),
+                                  lambda w: w.full_grads())
+    return grab
+
+
+def reference(cfg, device: str = "cpu") -> dict:
+    """Single-process training on the same global batches: ``{"losses", "state",
+    "grads"}`` — ``state`` the final parameters and ``grads`` the first step's gradients,
+    by name (every name of the model, a tied head under both names).
+
+    No communication, no wrapper, no checkpointing, fp32: the ground truth.
+    """
+    mc = cfg.model_config
+    model = build_model(mc, device=device, seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses, grads = [], {}
+    for s in range(cfg.steps):
+        x, y = make_batch(cfg, s)
+        loss = model(x.to(device), y.to(device))
+        loss.backward()
+        if s == 0:
+            grads = {n: p.grad.detach().float().cpu().clone()
+                     for n, p in model.named_parameters(remove_duplicate=False)}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = {n: p.detach().float().cpu().clone()
+             for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "state": state, "grads": grads}

@@ -1,0 +1,59 @@
+"""The pipeline side of the training job: the executor over this rank's pipeline group,
+activation metering, and the one-way message time the bubble report adds per hop."""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..parallel.pipeline.executor import PipelineExecutor
+from ..parallel.pipeline.stage import ActivationMeter
+
+__all__ = ["make_executor", "p2p_latency", "boundary_shape"]
+
+
+def boundary_shape(cfg) -> tuple:
+    """``(micro_batch, S, H)``: the activation (and its gradient) crossing a stage boundary."""
+    mc = cfg.model_config
+    return (cfg.micro, mc.seq_len, mc.d_model)
+
+
+def make_executor(setup) -> tuple:
+    """``(executor, meter)`` for this rank's stages: peers addressed by global rank through
+    the ``pp`` group; each stage's forward runs through its data-parallel wrapper; the loss
+    is the sum over tokens (scaled by the step's ``1/tokens_per_step``)."""
+    cfg, mg = setup.cfg, setup.mg
+    meter = ActivationMeter(list(setup.stages.values()), enabled=cfg.measure_memory)
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    ex = PipelineExecutor(setup.schedule, setup.stages, mg.index("pp"), mg.group("pp"),
+                          boundary_shape(cfg), dtype if setup.sharded else torch.float32,
+                          setup.device, setup.store, meter, pp_ranks=mg.ranks("pp"),
+                          forward_fns=setup.forward, loss_reduction="sum")
+    return ex, meter
+
+
+def p2p_latency(ctx, setup, rounds: int = 16) -> float:
+    """One-way seconds of one boundary tensor between the first two ranks of the first
+    pipeline: half the fastest of ``rounds`` blocking ping-pongs through labkit.comm,
+    untraced. Every rank of the job calls it; barriers on both sides keep the others from
+    computing meanwhile (on a machine with fewer cores than ranks they would otherwise time
+    the core sharing instead of the message). Returns 0.0 on every other rank."""
+    mesh = setup.mg.mesh
+    a, b = mesh.group(0, "pp")[:2]
+    t = torch.zeros(boundary_shape(setup.cfg), device=ctx.device)
+    enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
+    rtts = []
+    comm.barrier(ctx.group)
+    try:
+        for _ in range(rounds):
+            if ctx.rank == a:
+                t0 = ctx.tracer.now()
+                comm.send(t, b, ctx.group)
+                comm.recv(t, b, ctx.group)
+                rtts.append(ctx.tracer.now() - t0)
+            elif ctx.rank == b:
+                comm.recv(t, a, ctx.group)
+                comm.send(t, a, ctx.group)
+        comm.barrier(ctx.group)
+    finally:
+        ctx.tracer.enabled = enabled
+    return min(rtts[1:]) / 2 if rtts else 0.0
