@@ -52,7 +52,11 @@ def run(ctx, cfg) -> dict:
     mg = ctx.mesh_groups(cfg.mesh)
     setup = build_rank(ctx, cfg, mg)
     executor = meter = None
-    if cfg.parallel.pp > 1:
+    if cfg.parallel.pp > 1 and cfg.impl == "torch":
+        from .pipeline import TorchPipeline
+
+        executor = TorchPipeline(setup)
+    elif cfg.parallel.pp > 1:
         from .pipeline import make_executor
 
         executor, meter = make_executor(setup)
@@ -80,7 +84,7 @@ def run(ctx, cfg) -> dict:
     if cfg.zero_stage == 3 and setup.sharded:
         metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
     metrics.update(flops_and_mfu(ctx, setup, step_time))
-    if executor is not None:
+    if meter is not None:
         from .pipeline import p2p_latency
 
         metrics.update(peak_activation_bytes=meter.peak_bytes, peak_inflight=meter.peak_count,
@@ -123,6 +127,9 @@ def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
                 v = fn_param(p)
                 if v is not None:
                     out[full(name)] = v
+    if "tok_emb.weight" in out and setup.cfg.model_config.tie_embeddings:
+        if any(getattr(m, "head", None) is not None for m in setup.stages.values()):
+            out.setdefault("head.weight", out["tok_emb.weight"])  # one parameter, two names
     return out
 
 

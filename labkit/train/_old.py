@@ -26,17 +26,17 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .config import RunConfig
-from .measure.flops import count_flops, transformer_flops_per_token
-from .measure.memory import measure_memory
-from .measure.mfu import mfu as mfu_report
-from .measure.cpu_peak import calibrate_cpu_peak, rank_peak_flops
-from .models import build_model
-from .models.data import make_batch
-from .parallel.dp import DataParallel, torch_ddp, unique_parameters
-from .plan.comm import dp_step_comm_bytes
-from .plan.memory import model_state_bytes
-from .trace import region
+from ..config import RunConfig
+from ..measure.flops import count_flops, transformer_flops_per_token
+from ..measure.memory import measure_memory
+from ..measure.mfu import mfu as mfu_report
+from ..measure.cpu_peak import calibrate_cpu_peak, rank_peak_flops
+from ..models import build_model
+from ..models.data import make_batch
+from ..parallel.dp import DataParallel, torch_ddp, unique_parameters
+from ..plan.comm import dp_step_comm_bytes
+from ..plan.memory import model_state_bytes
+from ..trace import region
 
 __all__ = ["run", "reference", "flat_params", "local_rows", "local_batch", "run_steps",
            "steady_step_time", "flops_and_mfu"]

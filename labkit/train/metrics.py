@@ -152,9 +152,11 @@ def comm_metrics(ctx, setup, step: int) -> dict:
     elem = 2 if (cfg.precision == "bf16" and setup.sharded) else 4
     predicted: dict = {}
     n = mg.size("dp_cp")
-    if n > 1:
+    # PyTorch's FSDP2 and pipelining talk past labkit.comm (their bytes are not traced);
+    # its DDP runs its buckets through labkit.comm by a comm hook
+    if n > 1 and (cfg.impl == "labkit" or cfg.zero_stage == 0):
         predicted["dp"] = _dp_predicted(setup, elem)
-    if cfg.parallel.pp > 1:
+    if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,

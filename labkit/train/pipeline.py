@@ -8,7 +8,11 @@ from .. import comm
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.stage import ActivationMeter
 
-__all__ = ["make_executor", "p2p_latency", "boundary_shape"]
+__all__ = ["make_executor", "TorchPipeline", "p2p_latency", "boundary_shape"]
+
+#: labkit's schedule names → torch.distributed.pipelining's classes
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble"}
 
 
 def boundary_shape(cfg) -> tuple:
@@ -57,3 +61,36 @@ def p2p_latency(ctx, setup, rounds: int = 16) -> float:
     finally:
         ctx.tracer.enabled = enabled
     return min(rtts[1:]) / 2 if rtts else 0.0
+
+
+class TorchPipeline:
+    """The same stages under ``torch.distributed.pipelining`` (``impl="torch"``): the parity
+    and speed reference for labkit's executor. Its point-to-point traffic bypasses
+    labkit.comm, so its trace holds compute only. ``run`` has the executor's signature."""
+
+    def __init__(self, setup):
+        from torch.distributed import pipelining as P
+
+        cfg, mg = setup.cfg, setup.mg
+        self.stages = setup.stages
+        group = mg.group("pp")
+        pstages = [P.PipelineStage(m, s, setup.schedule.n_stages, setup.device, group=group)
+                   for s, m in sorted(setup.stages.items())]
+        cls = getattr(P.schedules, TORCH_SCHEDULES[cfg.schedule])
+        self.scale = 1.0
+        self.last = [m for m in setup.stages.values() if m.is_last]
+        self.first = any(m.is_first for m in setup.stages.values())
+        loss_fn = lambda out, y: self.last[0].loss(out, y, "sum") * self.scale  # noqa: E731
+        one = cls in (P.ScheduleGPipe, P.Schedule1F1B)
+        self.schedule = cls(pstages[0] if one else pstages, n_microbatches=cfg.flush_microbatches,
+                            loss_fn=loss_fn, scale_grads=False)
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float, flush: int = 0) -> float:
+        self.scale = loss_scale
+        losses: list = []
+        kw = {"target": y, "losses": losses} if self.last else {}
+        if self.first:
+            self.schedule.step(x, **kw)
+        else:
+            self.schedule.step(**kw)
+        return float(torch.stack([t.detach() for t in losses]).sum()) if losses else 0.0
