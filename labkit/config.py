@@ -160,8 +160,9 @@ class RunConfig:
         parallel: the degrees (``dp``, ``tp``, ``pp``, ``cp``, ``ep``).
         steps: optimizer steps. global_batch: samples per step over all ranks.
         micro_batch: samples per forward/backward on one data-parallel rank; ``None`` is
-            the whole local batch (``global_batch / dp``) without a pipeline, and with one
-            ``local/M`` for the largest ``M <= 2·pp`` dividing the local batch.
+            the whole local batch (``global_batch / dp``) without a pipeline; with one,
+            ``local / microbatches`` when ``microbatches`` is set, else ``local/M`` for the
+            largest ``M <= 2·pp`` dividing the local batch.
         lr, weight_decay: AdamW's (``lr`` > 0, ``weight_decay`` >= 0).
         seed: model initialisation and data order; equal seeds give equal runs.
         dataset: ``"text"`` (GPT) or ``"digits"`` (ViT).
@@ -252,6 +253,8 @@ class RunConfig:
         local = max(1, self.local_batch)
         if self.parallel.pp == 1:
             return local
+        if self.microbatches:  # one flush of that many microbatches
+            return max(1, local // self.microbatches)
         m = max(d for d in range(1, min(local, 2 * self.parallel.pp) + 1) if local % d == 0)
         return local // m
 
