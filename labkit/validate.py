@@ -218,6 +218,12 @@ def _composition(cfg: RunConfig, mc) -> None:
         raise ValueError(f"schedule={cfg.schedule!r} with zero_stage={z}: the zero-bubble W "
                          "pass writes weight gradients outside autograd, but ZeRO's flat units "
                          "collect them through autograd; use zero_stage=0 or another schedule")
+    if (p.pp > 1 and z >= 1 and cfg.precision == "bf16" and mc.kind == "gpt"
+            and mc.tie_embeddings):
+        raise ValueError(f"zero_stage={z} with pp={p.pp}, precision='bf16' and a tied "
+                         "embedding: the tied copy stays outside the bf16 flat units (its two "
+                         "copies are summed across stages first), so the head would mix fp32 "
+                         "and bf16; use tie_embeddings=False, precision='fp32' or zero_stage=0")
     if cfg.impl == "torch":
         used = [name for name, on in (("data parallelism", p.dp > 1 or z > 0),
                                       ("pipeline parallelism", p.pp > 1)) if on]

@@ -77,7 +77,9 @@ def run(ctx, cfg) -> dict:
                "tokens_per_step": cfg.global_batch * tokens_per_sample(cfg),
                "step_time_s": step_time, "step_times": times, "checkpoint": cfg.checkpoint,
                "precision": cfg.precision, "impl": cfg.impl,
-               "memory_predicted": predicted_memory(setup)}
+               "memory_predicted": predicted_memory(setup),
+               # Adam keeps a 4-byte step counter per parameter tensor (on the CPU)
+               "optimizer_state_tensors": sum(len(g["params"]) for g in setup.opt.param_groups)}
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))

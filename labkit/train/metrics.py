@@ -105,14 +105,19 @@ def memory_metrics(report, setup) -> dict:
 
 
 def predicted_memory(setup) -> dict:
-    """Model-state bytes this rank should hold: its stages' parameters under the ZeRO stage
-    and shard count (fp32 4/4/8 or mixed 2/2/12 bytes per parameter)."""
+    """Model-state bytes this rank should hold (:func:`labkit.plan.model_state_bytes`):
+    flat units at the ZeRO stage over the ``K`` shards, counting the units' padding to a
+    multiple of ``K`` elements (fp32 4/4/8 or mixed 2/2/12 bytes per parameter), plus any
+    parameters kept outside the units, replicated (4/4/8)."""
     cfg, mg = setup.cfg, setup.mg
-    sharded = bool(setup.sharded)
-    k = mg.size("fsdp") if sharded else 1
-    mixed = cfg.precision == "bf16" and sharded
-    return {c: int(v) for c, v in model_state_bytes(
-        setup.rank_params, k, cfg.zero_stage if sharded else 0, mixed_precision=mixed).items()}
+    plain = sum(p.numel() for p in setup.plain_params)
+    out = model_state_bytes(plain, 1, 0, mixed_precision=False)
+    if setup.sharded:
+        padded = sum(u.padded for w in setup.sharded for u in w.units)
+        units = model_state_bytes(padded, mg.size("fsdp"), cfg.zero_stage,
+                                  mixed_precision=cfg.precision == "bf16")
+        out = {c: out[c] + units[c] for c in out}
+    return {c: int(v) for c, v in out.items()}
 
 
 def comm_by_axis(events, step: int, rank: int) -> dict:
