@@ -79,7 +79,10 @@ def run(ctx, cfg) -> dict:
                "precision": cfg.precision, "impl": cfg.impl,
                "memory_predicted": predicted_memory(setup),
                # Adam keeps a 4-byte step counter per parameter tensor (on the CPU)
-               "optimizer_state_tensors": sum(len(g["params"]) for g in setup.opt.param_groups)}
+               "optimizer_state_tensors": sum(len(g["params"]) for g in setup.opt.param_groups),
+               "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None
+                                      for m in setup.stages.values()
+                                      for b in getattr(m, "layers", []))}
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))
