@@ -116,3 +116,41 @@ def a2a_v(ctx, cfg=None) -> dict:
     out = torch.full((sum(recv), 3), -1.0)
     comm.all_to_all_single(out, x, recv, sizes, ctx.group)
     return {"rows": out[:, 0].long().tolist()}
+
+
+def stage_batch(n_rows: int, seq: int = 16, d_model: int = 64) -> tuple:
+    """Hidden states ``(n_rows, seq, H)`` entering the last stage, and byte targets."""
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n_rows, seq, d_model, generator=g), torch.randint(0, 256, (n_rows, seq),
+                                                                         generator=g)
+
+
+def stage_step(ctx, cfg=None) -> dict:
+    """The last of two pipeline stages of ``tiny-moe``, made expert-parallel in place; two rows
+    per rank; dense gradients summed over the ranks; every gradient gathered to full names."""
+    from labkit.config import PRESETS
+    from labkit.models import build_model
+    from labkit.parallel.expert import apply_expert_parallel, gather_full_state
+    from labkit.parallel.expert.apply import expert_parameters
+    from labkit.parallel.pipeline.stage import StageModule
+
+    stage = StageModule(build_model(PRESETS["tiny-moe"], seed=0), 1, 2)
+    info = apply_expert_parallel(stage, ctx.group)
+    errors = []
+    for again in (lambda: apply_expert_parallel(stage, ctx.group),):
+        try:
+            again()
+        except ValueError as exc:
+            errors.append(str(exc))
+    set_aux_loss_scale(stage, 1.0 / ctx.world_size)
+    h, y = stage_batch(2 * ctx.world_size)
+    rows = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    loss = StageModule.loss(stage(h[rows]), y[rows], "sum") / y.numel()
+    loss.backward()
+    experts = {id(p) for _, p in expert_parameters(stage)}
+    for p in stage.parameters():
+        if id(p) not in experts:
+            comm.all_reduce(p.grad, "sum", ctx.group)
+    return {"grads": gather_full_state(stage, ctx.group, grads=True),
+            "params": gather_full_state(stage, ctx.group), "errors": errors,
+            "names": [n for n, _ in expert_parameters(stage)], "n_local": info.n_local}

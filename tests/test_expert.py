@@ -201,3 +201,29 @@ def test_bad_layouts_raise_before_any_rank_starts():
         ExpertRunConfig(ep=4, global_batch=6).validate(4)
     with pytest.raises(ValueError, match="dense"):
         ExpertRunConfig(model="tiny").validate(4)
+
+
+def test_a_pipeline_stage_converted_in_place_matches_the_dense_stage(cluster4):
+    from jobs_expert import stage_batch, stage_step
+
+    from labkit.models import build_model
+    from labkit.parallel.pipeline.stage import StageModule
+
+    r = cluster4.run(stage_step, None)
+    dense = StageModule(build_model(PRESETS["tiny-moe"], seed=0), 1, 2)
+    set_token_groups(dense, 4)  # the four ranks' rows are the four token groups
+    h, y = stage_batch(8)
+    StageModule.loss(dense(h), y).backward()
+    want = {dense.full_name(n): p.grad for n, p in dense.named_parameters()}
+    params = {dense.full_name(n): p.detach() for n, p in dense.named_parameters()}
+    assert "layers.1.mlp.experts.w1" in want and "norm.weight" in want
+    for out in r.outputs:
+        assert out["n_local"] == 1 and out["names"] == ["layers.0.mlp.experts.w1",
+                                                        "layers.0.mlp.experts.w3",
+                                                        "layers.0.mlp.experts.w2"]
+        assert out["errors"] == ["apply_expert_parallel: the module is already expert-parallel"]
+        _assert_close_state(out["grads"], want, "stage grad")
+        _assert_close_state(out["params"], params, "stage param")
+    with pytest.raises(ValueError, match="no MoE layer"):
+        from labkit.parallel.expert import apply_expert_parallel
+        apply_expert_parallel(build_model(PRESETS["tiny"]), None)
