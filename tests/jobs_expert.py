@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 
 from labkit import comm
 from labkit.config import ModelConfig
@@ -37,6 +38,7 @@ class LayerCase:
     d_ff: int = 24
     aux_loss_weight: float = 0.1
     seed: int = 0
+    checkpoint: bool = False
     timeout_s: float = 60.0
 
 
@@ -86,9 +88,13 @@ def layer_step(ctx, case: LayerCase) -> dict:
     set_aux_loss_scale(layer, 1.0 / case.ep)
     x = x_all[ctx.rank].clone().requires_grad_(True)
     with record_routing(layer) as log:
-        y = layer(x)
-    loss = (y * target_all[ctx.rank]).sum() / (case.ep * case.tokens)
-    loss.backward()
+        if case.checkpoint:  # backward recomputes the layer: dispatch and combine again
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        else:
+            y = layer(x)
+        loss = (y * target_all[ctx.rank]).sum() / (case.ep * case.tokens)
+        loss.backward()
+    assert len(log) == 1, f"{len(log)} routings recorded for one forward"
     router_grad = layer.router.weight.grad.clone()
     comm.all_reduce(router_grad, "sum", ctx.group)
     total = loss.detach().clone()

@@ -86,6 +86,18 @@ def test_layer_parity_with_capacity_drops_the_same_tokens(cluster4, ep, top_k, p
     assert ref["dropped"] and sum(len(o["dropped"]) for o in r.outputs) == len(ref["dropped"])
 
 
+def test_activation_checkpointing_recomputes_the_dispatch_without_recording_it_twice(cluster4):
+    case = LayerCase(ep=2, top_k=2, pattern="skewed", capacity_factor=0.75, checkpoint=True)
+    r, _ = check_layer_parity(cluster4, case)
+    for rank in range(2):
+        passes = {k[1:] for k in a2a_bytes_from_trace(r.trace.events, rank=rank)}
+        assert passes == {(ph, p) for ph in ("counts", "dispatch", "combine")
+                          for p in ("forward", "recompute")} | {("dispatch", "backward"),
+                                                                ("combine", "backward")}
+        traced = a2a_bytes_from_trace(r.trace.events, rank=rank)
+        assert traced[(None, "dispatch", "recompute")] == traced[(None, "dispatch", "forward")]
+
+
 def test_all_to_all_v_moves_uneven_and_empty_splits_with_exact_bytes(cluster4):
     r = cluster4.run(a2a_v, None)
     sizes = A2A_SIZES
@@ -171,13 +183,15 @@ def test_expert_memory_is_divided_by_ep(cluster4):
     full = mc.n_layers * mc.n_experts * 3 * mc.d_model * mc.ffn_dim * 4
     dense = 0
     for ep in (2, 4):
-        r = cluster4.run(train, ExpertRunConfig(ep=ep, steps=1))
+        r = cluster4.run(train, ExpertRunConfig(ep=ep, steps=2, measure_memory=True))
         for out in r.outputs:
             info = out["info"]
             assert info["expert_bytes"] == full // ep  # storage accounting, the slice only
             assert info["full_expert_numel"] * 4 == full
             dense = out["param_bytes"] - info["expert_bytes"]
             assert out["param_bytes"] == dense + full // ep
+            # torch's MemTracker sees the same parameter bytes on every rank
+            assert out["memory"]["parameters"] == dense + full // ep
     from labkit.models import count_params
     assert dense + full == count_params(mc) * 4
 

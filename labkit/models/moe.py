@@ -111,10 +111,14 @@ class MoE(nn.Module):
         router: ``nn.Linear(H, E, bias=False)``.
         experts: :class:`Experts`.
         dispatcher: ``None`` (dense path, :func:`dense_experts`) or a callable
-            ``dispatcher(x (T, H), routing, experts, layer=...) -> (T, H)``, set by expert
-            parallelism.
+            ``dispatcher(x (T, H), routing, experts, layer=..., recompute=...) -> (T, H)``,
+            set by expert parallelism.
         token_groups, aux_scale: see :func:`set_token_groups`, :func:`set_aux_loss_scale`.
         last_stats: the :class:`RoutingStats` of the last forward.
+
+    A forward that activation checkpointing recomputes during backward routes the same
+    tokens again: it is not recorded a second time, and the dispatcher tags its
+    all-to-alls ``pass="recompute"``.
     """
 
     def __init__(self, cfg, device=None, dtype=None):
@@ -137,18 +141,27 @@ class MoE(nn.Module):
         groups, n_groups = token_group_ids(self.token_groups, tuple(shape[:-1]), x.device)
         routing = route(self.router(xf), self.top_k, self.capacity_factor, groups, n_groups,
                         self.layer_id)
+        again = _recomputing()
         if self.dispatcher is None:
             y = dense_experts(xf, routing, self.experts)
         else:
-            y = self.dispatcher(xf, routing, self.experts, layer=self.layer_id)
-        self.last_stats = routing.stats
-        if self._log is not None:
-            self._log.append(routing.stats)
+            y = self.dispatcher(xf, routing, self.experts, layer=self.layer_id, recompute=again)
+        if not again:
+            self.last_stats = routing.stats
+            if self._log is not None:
+                self._log.append(routing.stats)
         y = y.view(shape)
         scale = self.aux_loss_weight * self.aux_scale
         if scale and torch.is_grad_enabled() and routing.aux.requires_grad:
             y = AuxLossAutoScaler.apply(y, routing.aux, scale)
         return y
+
+
+def _recomputing() -> bool:
+    """True while autograd's engine runs this forward (activation checkpointing recomputing
+    it during backward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def moe_layers(module: nn.Module) -> list:

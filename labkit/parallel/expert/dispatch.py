@@ -20,7 +20,8 @@ Lepikhin et al. 2020 §3.2, and of Megatron-Core's ``MoEAlltoAllTokenDispatcher`
 The all-to-alls are :class:`AllToAllV` (an autograd function: backward is the reverse
 all-to-all), so gradients flow back to the router and the experts. Every call goes through
 :func:`labkit.comm.all_to_all_single` and is traced with ``phase`` (``counts``,
-``dispatch``, ``combine``), ``layer`` and ``pass`` (``forward``/``backward``) tags.
+``dispatch``, ``combine``), ``layer`` and ``pass`` tags (``forward``, ``backward``, or
+``recompute`` for a forward that activation checkpointing repeats during backward).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class AllToAllV(torch.autograd.Function):
         ctx.meta = (output_splits, input_splits, group, axis, tags)
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group, axis,
-                               **tags, **{"pass": "forward"})
+                               **tags)
         return out
 
     @staticmethod
@@ -58,14 +59,14 @@ class AllToAllV(torch.autograd.Function):
         output_splits, input_splits, group, axis, tags = ctx.meta
         back = grad.new_empty((sum(input_splits),) + tuple(grad.shape[1:]))
         comm.all_to_all_single(back, grad.contiguous(), input_splits, output_splits, group,
-                               axis, **tags, **{"pass": "backward"})
+                               axis, **{**tags, "pass": "backward"})
         return back, None, None, None, None, None
 
 
 class ExpertParallelDispatcher:
     """``MoE.dispatcher`` for expert parallelism over ``group`` (``P`` ranks).
 
-    Called as ``dispatcher(x, routing, experts, layer=...)`` with ``x`` ``(T, H)`` this
+    Called as ``dispatcher(x, routing, experts, layer=..., recompute=...)`` with ``x`` ``(T, H)`` this
     rank's tokens, ``routing`` their :class:`~labkit.models.moe.Routing` over all ``E``
     experts, ``experts`` this rank's slice (``E/P`` experts, ``experts.first`` the first
     global id). Returns ``(T, H)``: the weighted sum of each token's kept expert outputs.
@@ -81,7 +82,7 @@ class ExpertParallelDispatcher:
         self.last_recv: Optional[torch.Tensor] = None
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts,
-                 layer: Optional[int] = None) -> torch.Tensor:
+                 layer: Optional[int] = None, recompute: bool = False) -> torch.Tensor:
         p, (t, k) = self.size, routing.experts.shape
         n_experts = routing.probs.shape[1]
         n_local = n_experts // p
@@ -89,7 +90,9 @@ class ExpertParallelDispatcher:
             raise ValueError(f"rank {self.rank} of ep={p} must hold experts "
                              f"[{self.rank * n_local}, {(self.rank + 1) * n_local}) of "
                              f"{n_experts}, it holds {experts.n_local} from {experts.first}")
-        tags = {} if layer is None else {"layer": layer}
+        tags = {"pass": "recompute" if recompute else "forward"}
+        if layer is not None:
+            tags["layer"] = layer
         # 1. permute: kept choices sorted by expert (token-major order within an expert)
         choice = routing.keep.reshape(-1).nonzero().squeeze(1)
         chosen = routing.experts.reshape(-1)[choice]
@@ -100,7 +103,7 @@ class ExpertParallelDispatcher:
         # 2. count exchange: recv[j, l] = rows from rank j for my local expert l
         recv = torch.empty_like(counts)
         comm.all_to_all_single(recv, counts, None, None, self.group, self.axis,
-                               phase="counts", **tags, **{"pass": "forward"})
+                               phase="counts", **tags)
         recv = recv.view(p, n_local)
         self.last_recv = recv
         input_splits = counts.view(p, n_local).sum(1).tolist()

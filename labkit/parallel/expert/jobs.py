@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ... import comm
 from ...config import ModelConfig, ParallelConfig, check_optimizer_and_timeout, preset
+from ...measure.memory import measure_memory
 from ...mesh import Mesh
 from ...models import build_model
 from ...models.data import text_batch
@@ -41,6 +42,8 @@ class ExpertRunConfig:
         optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD keeps gradient-scale errors visible).
         return_state: every rank returns the full parameters after training and the full
             gradients of step 0 (experts gathered over ``ep``).
+        measure_memory: run the last step under torch's ``MemTracker``
+            (:func:`labkit.measure.memory.measure_memory`).
         timeout_s: seconds before a hung run is cancelled.
     """
 
@@ -54,6 +57,7 @@ class ExpertRunConfig:
     seed: int = 0
     optimizer: str = "adamw"
     return_state: bool = False
+    measure_memory: bool = False
     timeout_s: float = 120.0
 
     @property
@@ -121,7 +125,9 @@ def train(ctx, cfg: ExpertRunConfig) -> dict:
         before / after dropping), ``"dropped"[layer]``, ``"aux"[layer]}``,
         ``"dropped_idx"``: step 0's ``[layer]`` list of ``(token, slot)`` dropped here,
         ``"info"``: :class:`ExpertParallelInfo` as a dict, ``"param_bytes"``, ``"d_model"``,
-        ``"elem_bytes"``, and with ``return_state`` ``"state"``/``"grads0"`` (full, by name)}.
+        ``"elem_bytes"``, with ``return_state`` ``"state"``/``"grads0"`` (full, by name), and
+        with ``measure_memory`` ``"memory"``: ``{"peak"`` bytes by category, ``"parameters"``
+        the tracked parameter bytes``}``}.
     """
     cfg.validate(ctx.world_size)
     mc = cfg.model_config
@@ -136,8 +142,8 @@ def train(ctx, cfg: ExpertRunConfig) -> dict:
     params = list(model.parameters())
     opt = _optimizer(params, cfg)
     out: dict = {"losses": [], "routing": []}
-    for s in range(cfg.steps):
-        ctx.tracer.step = s
+
+    def step(s: int) -> None:
         with region("data"):
             x, y = text_batch(s, cfg.global_batch, mc.seq_len, cfg.seed)
             x = x[data_index * rows:(data_index + 1) * rows].to(ctx.device)
@@ -154,12 +160,12 @@ def train(ctx, cfg: ExpertRunConfig) -> dict:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                group = edp_group if id(p) in expert_ids else dp_group
+                expert = id(p) in expert_ids
+                group = edp_group if expert else dp_group
                 if group is not None:
-                    comm.all_reduce(p.grad, "sum", group, axis="edp" if id(p) in expert_ids
-                                    else "dp_cp")
+                    comm.all_reduce(p.grad, "sum", group, axis="edp" if expert else "dp_cp")
         if s == 0:
-            out["dropped_idx"] = [s_.dropped.tolist() for s_ in log]
+            out["dropped_idx"] = [st.dropped.tolist() for st in log]
             if cfg.return_state:
                 out["grads0"] = gather_full_state(model, ep_group, grads=True)
         with region("optimizer"):
@@ -167,6 +173,16 @@ def train(ctx, cfg: ExpertRunConfig) -> dict:
             opt.zero_grad(set_to_none=True)
         out["losses"].append(loss.item())
         out["routing"].append(_routing_record(log))
+
+    for s in range(cfg.steps):
+        ctx.tracer.step = s
+        if cfg.measure_memory and s == cfg.steps - 1:
+            report = measure_memory(lambda: step(s), model, opt, ctx.device)
+            snaps = [dict(v) for _, v in report.timeline] + [dict(report.peak)]
+            out["memory"] = {"peak": dict(report.peak),
+                             "parameters": max(v.get("parameters", 0) for v in snaps)}
+        else:
+            step(s)
     out["info"] = asdict(info)
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
     out["d_model"], out["elem_bytes"] = mc.d_model, params[0].element_size()
