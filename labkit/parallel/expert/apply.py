@@ -16,8 +16,6 @@ parallelism, before checkpointing and data parallelism, DESIGN §9):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -160,8 +158,7 @@ def expert_param_bytes(module: nn.Module) -> int:
     return total
 
 
-def gather_full_state(module: nn.Module, ep_group, grads: bool = False,
-                      info: Optional[ExpertParallelInfo] = None) -> dict:
+def gather_full_state(module: nn.Module, ep_group, grads: bool = False) -> dict:
     """``{full name: tensor}`` of every parameter of ``module`` (or its gradient, zeros when
     ``None``), with each expert parameter all-gathered over ``ep_group`` into its full
     ``(E, …)`` tensor. Collective: every rank of ``ep_group`` must call it. Names are the
