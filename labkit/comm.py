@@ -15,6 +15,7 @@ all-reduce         2(N−1)/N · S  sent, the same received
 reduce-scatter     (N−1)/N · S   (S = the full, unscattered input)
 all-gather         (N−1)/N · S   (S = the full, gathered output)
 all-to-all         (N−1)/N · S   (S = this rank's input)
+all-to-all-v       the rows this rank sends to (receives from) other ranks, exactly
 broadcast          S per hop: the root sends S, every other rank receives S
 reduce             S per hop: every non-root sends S, the root receives S
 send / recv        S
@@ -27,6 +28,7 @@ comparable to the lectures' formulas on every backend.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from .trace import COMM, P2P, Event, current_tracer
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
+           "all_to_all_single",
            "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
            "barrier", "Handle", "group_size", "group_ranks", "nbytes"]
 
@@ -200,6 +203,49 @@ def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
     _run("all_to_all", COMM, lambda a: dist.all_to_all(list(outputs), list(inputs), group, a),
          group=group, axis=axis, sent=sent, recv=recv, peers=group_ranks(group),
          async_op=False, form="list")
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Optional[Sequence[int]] = None,
+                      input_split_sizes: Optional[Sequence[int]] = None, group=None,
+                      axis: Optional[str] = None, async_op: bool = False,
+                      **tags) -> Optional[Handle]:
+    """All-to-all with variable split sizes (MPI's all-to-all-v): rows
+    ``input[sum(in[:j]) : sum(in[:j+1])]`` go to group rank ``j``; the rows from group rank
+    ``i`` land in ``output[sum(out[:i]) : sum(out[:i+1])]``. Sizes count rows of dim 0 and may
+    be 0 (a rank may send nothing at all); ``None`` means equal splits. Every rank's
+    ``input_split_sizes[j]`` must equal rank ``j``'s ``output_split_sizes[me]``.
+
+    Bytes, exactly: this rank's rows to other ranks (its own split is a local copy), and
+    the rows it receives from them. The event's ``args`` hold ``bytes_to`` and
+    ``bytes_from`` per group rank (own rank 0) and any ``tags``.
+
+    Raises:
+        ValueError: a split list not of length N, a negative size, sizes not summing to
+            dim 0, or equal splits that do not divide dim 0.
+    """
+    n, me = group_size(group), dist.get_rank(group)
+    splits = []
+    for name, t, sizes in (("input", input, input_split_sizes),
+                           ("output", output, output_split_sizes)):
+        rows = t.shape[0] if t.dim() else 0
+        if sizes is None:
+            if rows % n:
+                raise ValueError(f"all_to_all_single: dim 0 of {name} ({rows}) does not divide "
+                                 f"by N={n}; pass {name}_split_sizes")
+            sizes = [rows // n] * n
+        sizes = [int(v) for v in sizes]
+        if len(sizes) != n or min(sizes) < 0 or sum(sizes) != rows:
+            raise ValueError(f"all_to_all_single: {name}_split_sizes={sizes} must be {n} sizes "
+                             f">= 0 summing to dim 0 of {name} ({rows})")
+        row_bytes = math.prod(t.shape[1:]) * t.element_size()
+        splits.append((sizes, [0 if j == me else v * row_bytes for j, v in enumerate(sizes)]))
+    (in_sizes, to), (out_sizes, frm) = splits
+    return _run("all_to_all", COMM,
+                lambda a: dist.all_to_all_single(output, input, out_sizes, in_sizes, group=group,
+                                                 async_op=a),
+                group=group, axis=axis, sent=sum(to), recv=sum(frm), peers=group_ranks(group),
+                async_op=async_op, form="v", bytes_to=to, bytes_from=frm, **tags)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None) -> None:

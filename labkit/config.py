@@ -33,6 +33,15 @@ class ModelConfig:
         rope_theta: rotary base (Su et al. 2021, RoFormer §3.4).
         kind: ``"gpt"`` or ``"vit"``.
         image_size, patch_size, n_classes, channels: ViT only.
+        n_experts: mixture-of-experts: each block's MLP becomes ``n_experts`` SwiGLU experts
+            of hidden size ``ffn_dim`` and a router (Shazeer et al. 2017; Fedus et al. 2022,
+            Switch Transformer); ``0`` keeps the dense MLP.
+        top_k: experts each token is sent to (1 = Switch, 2 = GShard/Mixtral); their router
+            probabilities are renormalised over the chosen ``top_k``.
+        capacity_factor: each token group may send at most
+            ``ceil(capacity_factor · top_k · tokens / n_experts)`` tokens to one expert; the
+            rest are dropped (their residual passes through). ``None``: nothing is dropped.
+        aux_loss_weight: weight of the load-balancing loss (Switch Transformer eq. 4).
     """
 
     n_layers: int = 2
@@ -51,6 +60,10 @@ class ModelConfig:
     n_classes: int = 10
     channels: int = 1
     name: str = "custom"
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: Optional[float] = None
+    aux_loss_weight: float = 0.01
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +98,22 @@ class ModelConfig:
         if self.kind == "vit" and self.image_size % self.patch_size:
             raise ValueError(f"ModelConfig.image_size={self.image_size} does not divide by "
                              f"patch_size={self.patch_size}")
+        n, k, cf, w = self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = dense MLP), "
+                             f"got {n!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ModelConfig.top_k must be an int >= 1, got {k!r}")
+        if n and k > n:
+            raise ValueError(f"ModelConfig.top_k={k} exceeds n_experts={n}: a token cannot go "
+                             f"to more experts than there are")
+        if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool)
+                                   and math.isfinite(cf) and cf > 0):
+            raise ValueError(f"ModelConfig.capacity_factor must be None or a finite number > 0, "
+                             f"got {cf!r}")
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                and w >= 0):
+            raise ValueError(f"ModelConfig.aux_loss_weight must be a finite number >= 0, got {w!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -105,6 +134,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-405b": ModelConfig(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
                                d_ff=53248, vocab_size=128256, seq_len=8192,
                                tie_embeddings=False, rope_theta=500000.0, name="llama3-405b"),
+    # "tiny" with each MLP replaced by 4 SwiGLU experts, two per token
+    "tiny-moe": ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64, n_experts=4, top_k=2,
+                            aux_loss_weight=0.01, name="tiny-moe"),
     # a small ViT for scikit-learn's 8x8 digits
     "vit-digits": ModelConfig(kind="vit", n_layers=2, d_model=64, n_heads=4, image_size=8,
                               patch_size=2, n_classes=10, channels=1, seq_len=16,

@@ -6,6 +6,8 @@
 * :class:`CheckpointView` — an activation-checkpointing schedule, step by step, with its
   memory curve.
 * :class:`CollectiveView` — a collective's recorded chunk movements, step by step.
+* :class:`ExpertView` — tokens per expert per rank of an expert-parallel run, and its
+  dispatch/combine all-to-alls replayed from the trace.
 * :class:`Explorer` — data-parallel, ZeRO and pipeline knobs that re-run training on a
   warm ``Cluster`` and show measured memory, MFU, communication and the pipeline bubble
   beside the formulas and the simulator.
@@ -17,8 +19,10 @@ these widgets import labkit, labkit never imports them.
 """
 from .checkpoint_view import CheckpointView
 from .collective_view import CollectiveView
+from .expert_view import ExpertView
 from .explorer import Explorer
 from .pipeline_view import PipelineView
 from .timeline import TimelineView
 
-__all__ = ["CheckpointView", "CollectiveView", "Explorer", "PipelineView", "TimelineView"]
+__all__ = ["CheckpointView", "CollectiveView", "ExpertView", "Explorer", "PipelineView",
+           "TimelineView"]
