@@ -273,6 +273,11 @@ class RunConfig:
         return preset(self.model) if isinstance(self.model, str) else self.model
 
     @property
+    def planning_only(self) -> bool:
+        """True for a preset too large to build on one machine (planning and counting)."""
+        return isinstance(self.model, str) and self.model in COUNT_ONLY
+
+    @property
     def local_batch(self) -> int:
         """Samples per step on one data-parallel rank."""
         return self.global_batch // self.parallel.dp
@@ -359,8 +364,6 @@ class RunConfig:
         return self
 
 
-#: mirrors labkit.parallel.checkpoint_policy.POLICIES (kept here so config needs no torch)
-CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
 
 

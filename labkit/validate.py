@@ -21,15 +21,14 @@ before any rank process is touched (DESIGN.md §3). The rules, in the order they
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
-from .config import CHECKPOINT_POLICIES, COUNT_ONLY, RunConfig
+__all__ = ["validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
 
-__all__ = ["validate_run", "DEFAULTS"]
-
-#: the default of every RunConfig field (what "left alone" means)
-DEFAULTS = RunConfig()
+#: mirrors labkit.parallel.checkpoint.policy.POLICIES (kept here so validation needs no torch)
+CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 PRECISIONS = ("fp32", "bf16")
 CP_METHODS = ("ring", "ulysses", "allgather")
 
@@ -47,18 +46,24 @@ def _number(v, name: str, low: float, strict: bool) -> None:
                          f"got {v!r}")
 
 
-def _refuse_unless(cfg: RunConfig, cond: bool, names: tuple, why: str) -> None:
+def default(cfg, name: str):
+    """The default of field ``name`` of ``cfg``'s dataclass (what "left alone" means)."""
+    f = {f.name: f for f in dataclasses.fields(cfg)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _refuse_unless(cfg, cond: bool, names: tuple, why: str) -> None:
     """Refuse a non-default value of any of ``names`` unless ``cond``: a field that would
     be ignored is an error, never a silent no-op."""
     if cond:
         return
     for name in names:
         v = getattr(cfg, name)
-        if v != getattr(DEFAULTS, name):
+        if v != default(cfg, name):
             raise ValueError(f"{name}={v!r} has no effect here: {why}")
 
 
-def validate_run(cfg: RunConfig, world_size: Optional[int] = None) -> None:
+def validate_run(cfg, world_size: Optional[int] = None) -> None:
     """Check ``cfg`` for a cluster of ``world_size`` ranks (``None``: any size).
 
     Raises:
@@ -90,9 +95,9 @@ def validate_run(cfg: RunConfig, world_size: Optional[int] = None) -> None:
     _composition(cfg, mc)
 
 
-def _fields(cfg: RunConfig) -> None:
+def _fields(cfg) -> None:
     cfg.model_config.validate()
-    if isinstance(cfg.model, str) and cfg.model in COUNT_ONLY:
+    if cfg.planning_only:
         raise ValueError(f"model preset {cfg.model!r} is for planning and counting only "
                          "(labkit.plan); train 'tiny', 'small' or 'gpt2-124m'")
     cfg.parallel.validate()
@@ -125,7 +130,7 @@ def _fields(cfg: RunConfig) -> None:
             raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
 
 
-def _model(cfg: RunConfig, mc) -> None:
+def _model(cfg, mc) -> None:
     p = cfg.parallel
     if (cfg.dataset == "digits") != (mc.kind == "vit"):
         raise ValueError(f"dataset={cfg.dataset!r} does not fit model kind {mc.kind!r} "
@@ -144,7 +149,7 @@ def _model(cfg: RunConfig, mc) -> None:
                          "yet; use dp, zero_stage and pp")
 
 
-def _pipeline(cfg: RunConfig, mc) -> None:
+def _pipeline(cfg, mc) -> None:
     p = cfg.parallel
     if p.pp == 1:
         return
@@ -173,7 +178,7 @@ def _pipeline(cfg: RunConfig, mc) -> None:
         _torch_schedule_rules(cfg)
 
 
-def _torch_schedule_rules(cfg: RunConfig) -> None:
+def _torch_schedule_rules(cfg) -> None:
     """PyTorch's ``torch.distributed.pipelining`` schedules check these on the ranks; labkit
     checks them before launch (torch 2.13, ``schedules.py``)."""
     p, m = cfg.parallel.pp, cfg.flush_microbatches
@@ -198,7 +203,7 @@ def _torch_schedule_rules(cfg: RunConfig) -> None:
                          f"microbatches={cfg.flush_microbatches})")
 
 
-def _composition(cfg: RunConfig, mc) -> None:
+def _composition(cfg, mc) -> None:
     p, z = cfg.parallel, cfg.zero_stage
     _refuse_unless(cfg, p.pp > 1, ("schedule", "microbatches", "virtual_stages"),
                    "it is a pipeline setting and pp=1")

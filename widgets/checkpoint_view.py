@@ -1,7 +1,7 @@
 """``CheckpointView``: a checkpoint schedule, run for real and replayed step by step.
 
 The schedule (:mod:`labkit.parallel.checkpoint`) is executed on a real layer stack by
-:func:`labkit.parallel.checkpoint_exec.run_schedule`; what the view animates is that run's
+:func:`labkit.parallel.checkpoint.exec.run_schedule`; what the view animates is that run's
 record — after every action, which stored tensors were alive (from the saved-tensor hooks) and
 how many bytes they held. Nothing is drawn from a script.
 
@@ -27,7 +27,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.parallel.checkpoint import STRATEGIES, Schedule, formula_counts, make_schedule
-from labkit.parallel.checkpoint_exec import ExecResult, run_schedule
+from labkit.parallel.checkpoint.exec import ExecResult, run_schedule
 
 from . import _style as S
 from ._static import StaticFigure

@@ -135,7 +135,7 @@ def _checkpoint(setup: RankSetup) -> None:
     cfg = setup.cfg
     if cfg.checkpoint == "none":
         return
-    from ..parallel.checkpoint_policy import apply_checkpoint_policy
+    from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
     for m in setup.stages.values():
         apply_checkpoint_policy(m, cfg.checkpoint, cfg.checkpoint_every)

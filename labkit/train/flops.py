@@ -43,7 +43,7 @@ def _count(cfg, stage_ids: tuple, policy: str, device) -> int:
         return count_flops(lambda: model(x, y).backward()).total
     stages = [StageModule(model, s, cfg.n_stages) for s in stage_ids]
     if policy != "none":
-        from ..parallel.checkpoint_policy import apply_checkpoint_policy
+        from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
         for m in stages:
             apply_checkpoint_policy(m, policy, cfg.checkpoint_every)

@@ -11,7 +11,7 @@
   boundary activation per send).
 * **FLOPs and MFU/HFU**: torch's FLOP counter on one microbatch through this rank's stages
   (a fresh copy, cached per shape), × microbatches per step, over the peak of the dtype that
-  ran (:func:`labkit.measure.cpu_peak.rank_peak_flops`).
+  ran (:func:`labkit.measure.rank_peak.rank_peak_flops`).
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def flops_and_mfu(ctx, setup, step_time: float) -> dict:
     ``"hardware_flops_per_step"`` (with recomputation), ``"peak_flops"`` (FLOP/s of this
     device for the dtype that ran), ``"mfu"``, ``"hfu"``}``; ``None`` where not counted.
     """
-    from ..measure.cpu_peak import rank_peak_flops
+    from ..measure.rank_peak import rank_peak_flops
     from ..measure.flops import transformer_flops_per_token
     from ..measure.mfu import mfu as mfu_report
     from .flops import rank_flops

@@ -95,7 +95,7 @@ def apply_checkpoint_policy(model: nn.Module, policy: str, every: int = 1, *,
         raise ValueError("model has no .layers to checkpoint; pass layers=[...]")
     n = len(blocks)
     if policy == "every":
-        from .checkpoint import check_every
+        from .schedule import check_every
 
         every = check_every(n, every)
     if policy == "selective" and use_reentrant:

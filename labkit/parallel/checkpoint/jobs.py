@@ -49,17 +49,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..config import ModelConfig, preset
-from ..measure.flops import count_flops
-from ..measure.mfu import mfu as mfu_report
-from ..measure.cpu_peak import rank_peak_flops
-from ..measure.peak import device_peak_flops
-from ..models import build_model
-from ..models.data import text_batch
-from ..models.gpt import GPT, Block, rope_tables
-from ..trace import region
-from .checkpoint_exec import SavedTensorTracker
-from .checkpoint_policy import POLICIES, apply_checkpoint_policy
+from ...config import ModelConfig, preset
+from ...measure.flops import count_flops
+from ...measure.mfu import mfu as mfu_report
+from ...measure.rank_peak import rank_peak_flops
+from ...measure.peak import device_peak_flops
+from ...models import build_model
+from ...models.data import text_batch
+from ...models.gpt import GPT, Block, rope_tables
+from ...trace import region
+from .exec import SavedTensorTracker
+from .policy import POLICIES, apply_checkpoint_policy
 
 __all__ = ["TERMS", "korthikanti_layer_bytes", "adjusted_layer_bytes", "layer_terms",
            "measure_layer_activations", "LiveActivations", "CheckpointRunConfig",

@@ -14,7 +14,7 @@ saved. A *schedule* is the list of actions that trains the chain once:
 ====================  ===========================================================
 
 The same list has three consumers (DESIGN.md, "Schedules are data"): :func:`simulate` checks
-it and counts without torch, :func:`labkit.parallel.checkpoint_exec.run_schedule` runs it on a
+it and counts without torch, :func:`labkit.parallel.checkpoint.exec.run_schedule` runs it on a
 real layer stack and *measures* the counts, and ``labkit_widgets.CheckpointView`` draws it.
 
 **Units.** Each chain layer is ``A_i = silu(A_{i-1}) @ W_i`` on ``(B, H)`` tensors. Its autograd
@@ -56,10 +56,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 __all__ = ["STRATEGIES", "BIG_O", "Action", "Schedule", "Counts", "SimStep", "SimResult",
-           "make_schedule", "formula_counts", "simulate", "sqrt_every", "check_every",
-           # executor (checkpoint_exec) and GPT policies (checkpoint_policy), re-exported
-           "run_schedule", "ExecResult", "ChainStack", "SavedTensorTracker",
-           "apply_checkpoint_policy", "POLICIES", "keep_matmuls_policy"]
+           "make_schedule", "formula_counts", "simulate", "sqrt_every", "check_every"]
 
 STRATEGIES = ("none", "full", "every", "sqrt", "segment", "selective")
 
@@ -308,15 +305,3 @@ def simulate(schedule: Schedule) -> SimResult:
 
 def _unit_key(label: str) -> tuple:
     return (int(label[1:]), label[0])
-
-
-def __getattr__(name: str):  # lazy re-exports: the executor imports torch, this module not
-    if name in ("run_schedule", "ExecResult", "ChainStack", "SavedTensorTracker"):
-        from . import checkpoint_exec
-
-        return getattr(checkpoint_exec, name)
-    if name in ("apply_checkpoint_policy", "POLICIES", "keep_matmuls_policy"):
-        from . import checkpoint_policy
-
-        return getattr(checkpoint_policy, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

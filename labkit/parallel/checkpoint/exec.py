@@ -8,7 +8,7 @@
   :class:`ChainStack` and *measures* the two counts the formulas predict: layer forward calls
   (counted inside the layers) and peak stored activation bytes (saved tensors + checkpoints).
 
-The checkpoint policies for the real GPT live in :mod:`labkit.parallel.checkpoint_policy`.
+The checkpoint policies for the real GPT live in :mod:`labkit.parallel.checkpoint.policy`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import Counts, Schedule
+from .schedule import Counts, Schedule
 
 __all__ = ["SavedTensorTracker", "ChainLayer", "ChainStack", "ExecResult", "ExecStep",
            "run_schedule"]
