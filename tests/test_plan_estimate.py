@@ -89,6 +89,16 @@ def test_memory_categories_follow_zero_and_the_16_bytes_rule():  # claims C10–
     assert [t["total"] for t in totals] == sorted((t["total"] for t in totals), reverse=True)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_rank_memory_agrees_with_the_zero_formulas(zero):  # ZeRO §5.1
+    P, N = 3.3e9, 64
+    ref = model_state_bytes(P, N, zero)
+    got = rank_memory(P, zero, N, grad_bytes=2, activations=5.0, comm_buffers=7.0)
+    assert {k: got[k] for k in ("parameters", "gradients", "optimizer")} == pytest.approx(
+        {k: ref[k] for k in ("parameters", "gradients", "optimizer")}, rel=1e-12)
+    assert got["total"] == pytest.approx(ref["total"] + 12.0)
+
+
 def test_recomputation_trades_memory_for_time():
     m = "llama3-70b"
     base = Layout(tp=8, pp=4, dp=4, zero=1, global_batch=64, seq_len=8192)
@@ -156,3 +166,37 @@ def test_memory_limit_moves_the_search():
                    memory_limit=40 * GiB)
     assert tight.fitting < loose.fitting
     assert tight.best.memory["total"] <= 40 * GiB
+
+
+def test_comm_bytes_per_axis_are_exact():
+    """Bytes each GPU sends per step, from the formulas in labkit.plan.steptime's docstring."""
+    m = PLAN_MODELS["llama3-70b"]
+    lay = Layout(tp=8, cp=2, pp=4, dp=4, zero=1, microbatch=1, global_batch=32, seq_len=8192,
+                 checkpoint="selective")
+    p = estimate(m, "llama3-24k", lay)
+    s, t, cp, mb, layers = 8192, 8, 2, lay.microbatches, 20
+    T = s // cp
+    act = 2 * T * m.d_model
+    tp = mb * layers * 2 * 2 * 2 * (t - 1) / t * act  # 2 passes x 2 x (all-gather + r-s)
+    kv = 2 * 2 * s * m.kv_dim / t  # K and V of the whole sequence, 16-bit
+    cpb = mb * layers * (2 + 1 + 1) * (cp - 1) / cp * kv  # AG fwd, AG bwd, AG recompute, RS
+    ppb = mb * 2 * act / t
+    h = m.d_model  # the slowest rank is the last: its layers, the head and the final norm
+    P = layers * ((m.layer_params - 2 * h) / t + 2 * h) + m.vocab_size * h / t + h
+    n = lay.dp * cp
+    dpb = (n - 1) / n * (4 * P + 2 * P)  # fp32 gradients reduce-scattered, bf16 weights gathered
+    got = {a: p.comm[a].bytes for a in ("tp", "cp", "pp", "dp")}
+    assert got == pytest.approx({"tp": tp, "cp": cpb, "pp": ppb, "dp": dpb}, rel=1e-12)
+
+
+def test_the_network_adapter_bounds_the_step():
+    """Overlapped or not, every byte leaving the server crosses this GPU's adapter: with TP
+    16 across two servers next to FSDP traffic the adapter, not the compute, sets the step."""
+    lay = Layout(tp=16, cp=2, pp=8, dp=64, zero=3, microbatch=4, global_batch=2048,
+                 seq_len=8192, schedule="interleaved", virtual_stages=4)
+    p = estimate("llama3-405b", "llama3-24k", lay)
+    nic = sum(a.nic_bytes for a in p.comm.values()) / (50e9 * LINK_EFFICIENCY)
+    compute_bound = p.terms["t.pipeline"].value + p.comm["dp"].exposed
+    assert nic > compute_bound
+    assert p.step_time - p.terms["t.optimizer"].value == pytest.approx(nic, rel=1e-12)
+    assert p.comm["tp"].nic_bytes == pytest.approx(p.comm["tp"].bytes / 8)  # 8 rails a server
