@@ -62,6 +62,14 @@ def test_llama3_cluster_has_1_875_pib_of_gpu_memory():  # claim C3
     assert c.levels[-1].oversubscription == 7
 
 
+def test_bandwidth_hierarchy_falls_outwards():  # claim C2
+    h = CLUSTERS["llama3-24k"].hierarchy()
+    assert [name for name, _, _ in h] == ["hbm", "nvlink", "rack", "pod", "cluster"]
+    assert h[0][2] == 3352e9 and 2 * h[1][2] == 900e9 and h[2][2] == 50e9
+    assert h[-1][2] == pytest.approx(50e9 / 7)
+    assert all(a[2] >= b[2] for a, b in zip(h, h[1:]))
+
+
 def test_every_preset_names_its_source():
     for c in CLUSTERS.values():
         assert c.source and c.gpu.source and 0 < c.gpu.matmul_efficiency < 1
@@ -158,6 +166,22 @@ def test_layout_check_names_the_field(kwargs, words):
     with pytest.raises(ValueError) as info:
         Layout(**kwargs).check(PLAN_MODELS["llama3-8b"])
     assert words in str(info.value)
+
+
+def test_layout_from_the_lab_mesh_keeps_its_rank_order():
+    from labkit.mesh import Mesh
+    from labkit.plan.layout import layout_from_mesh
+
+    mesh = Mesh(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2)
+    lay = layout_from_mesh(mesh, zero=3, global_batch=8)
+    assert (lay.tp, lay.cp, lay.pp, lay.dp, lay.dp_shard) == (2, 1, 2, 4, 2)
+    for r in range(mesh.size):
+        c = mesh.coords(r)
+        dp = c["dp_replicate"] * mesh.dp_shard + c["dp_shard"]
+        assert lay.coords(r) == [c["tp"], c["cp"], c["pp"], dp]
+    assert layout_from_mesh(mesh, zero=1).dp_shard is None
+    estimate_ok = lay.check(PLAN_MODELS["tiny"])
+    assert estimate_ok is lay
 
 
 def test_key_value_heads_split_or_replicate():

@@ -17,7 +17,7 @@ from labkit.plan.comm import (COLLECTIVES, busbw_factor, comm_bytes, dp_step_com
                               normalize_collective)
 from labkit.plan.estimate import MEMORY_CATEGORIES, Plan, Term, estimate
 from labkit.plan.hardware import CLUSTERS, GPUS, ClusterSpec, GPU, Level, cluster_preset
-from labkit.plan.layout import AXES, Layout, stage_layers
+from labkit.plan.layout import AXES, Layout, layout_from_mesh, stage_layers
 from labkit.plan.memory import (BYTES_PER_PARAM, GB, GiB, model_state_bytes, rank_memory,
                                 sharded_state_bytes)
 from labkit.plan.models import PLAN_MODELS, PlanModel, narayanan_flops, plan_model
@@ -28,6 +28,7 @@ __all__ = ["COLLECTIVES", "busbw_factor", "comm_bytes", "dp_step_comm_bytes",
            "normalize_collective", "BYTES_PER_PARAM", "model_state_bytes", "rank_memory",
            "sharded_state_bytes", "GB", "GiB", "in_flight", "layer_activation_bytes",
            "MEMORY_CATEGORIES", "Plan", "Term", "estimate", "CLUSTERS", "GPUS",
-           "ClusterSpec", "GPU", "Level", "cluster_preset", "AXES", "Layout", "stage_layers",
+           "ClusterSpec", "GPU", "Level", "cluster_preset", "AXES", "Layout", "layout_from_mesh",
+           "stage_layers",
            "PLAN_MODELS", "PlanModel", "narayanan_flops", "plan_model", "RUNTIMES", "Runtime",
            "runtime_preset", "Rejected", "SearchResult", "search"]

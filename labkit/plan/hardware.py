@@ -113,6 +113,15 @@ class ClusterSpec:
         """GPUs behind the innermost (NVLink) level."""
         return self.levels[0].size
 
+    def hierarchy(self) -> list[tuple[str, int, float]]:
+        """``(level, GPUs in one domain, bytes/s per GPU per direction)`` from the GPU's own
+        HBM outwards (claim C2: 3,352 GB/s inside an H100, 450 GB/s each way — 900 both
+        ways — between the 8 GPUs of a server, 50 GB/s beyond); an oversubscribed level
+        is listed at its worst case, every GPU sending across it."""
+        out = [("hbm", 1, self.gpu.hbm_bandwidth)]
+        return out + [(lv.name, lv.size, lv.bandwidth / lv.oversubscription)
+                      for lv in self.levels]
+
     @property
     def total_memory_bytes(self) -> float:
         """HBM of every GPU together (claim C3: 24,576 × 80 GiB = 1.875 PiB)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-__all__ = ["AXES", "SCHEDULES", "CHECKPOINTS", "Layout", "stage_layers"]
+__all__ = ["AXES", "SCHEDULES", "CHECKPOINTS", "Layout", "stage_layers", "layout_from_mesh"]
 
 #: the four parallel axes, innermost first (claim C36)
 AXES = ("tp", "cp", "pp", "dp")
@@ -164,6 +164,27 @@ class Layout:
             if not isinstance(self.dp_shard, int) or self.dp_shard < 1 or n % self.dp_shard:
                 raise ValueError(f"dp_shard={self.dp_shard!r} must divide dp x cp = {n}")
         return self
+
+
+#: labkit.mesh.Mesh's axes innermost first (``pp, dp_replicate, dp_shard, cp, tp`` outer to
+#: inner, Megatron-Core's and torchtitan's order), as planner axes
+MESH_ORDER = ("tp", "cp", "dp", "pp")
+
+
+def layout_from_mesh(mesh, *, zero: int = 1, **knobs) -> Layout:
+    """The :class:`Layout` of a :class:`labkit.mesh.Mesh` (the lab's live run), to plan the
+    same layout on another model and cluster.
+
+    ``dp = dp_replicate · dp_shard``; with ``dp_replicate > 1`` and ZeRO-3 the run is HSDP
+    whose shard group is the mesh's ``fsdp`` view, ``dp_shard · cp``. Rank order follows the
+    mesh (PP outermost). ``knobs`` are the other :class:`Layout` fields (microbatch,
+    global_batch, seq_len, schedule, virtual_stages, checkpoint, sequence_parallel).
+    """
+    dp = mesh.dp_replicate * mesh.dp_shard
+    hsdp = zero == 3 and mesh.dp_replicate > 1
+    return Layout(tp=mesh.tp, cp=mesh.cp, pp=mesh.pp, dp=dp, zero=zero,
+                  dp_shard=mesh.dp_shard * mesh.cp if hsdp else None, order=MESH_ORDER,
+                  **knobs)
 
 
 def stage_layers(n_layers: int, pp: int) -> list[int]:
