@@ -119,10 +119,10 @@ def test_c34_bandwidth_need_tp_cp_pp_dp(model):  # claim C34
 
 
 def test_c34_pp_versus_dp_turns_on_tokens_per_step():
-    """The last link of the rule needs B·s > ~18·L·h tokens per step: Llama 3 405B at 16M
-    tokens moves more data-parallel than pipeline bytes per FLOP; at 64M it does not."""
+    """The last link of the rule needs B·s > 3Ψ/(4h) ≈ 9·L·h tokens per step: Llama 3 405B
+    at 16M tokens moves more data-parallel than pipeline bytes per FLOP; at 64M it does not."""
     m = plan_model("llama3-405b")
-    assert 18 * m.n_layers * m.d_model > 2048 * 8192
+    assert 3 * m.params / (4 * m.d_model) > 2048 * 8192 > 3 * 70.6e9 / (4 * 8192)
     at16 = {a: comm_per_flop(m, a, 8192, 2048) for a in ("pp", "dp")}
     at64 = {a: comm_per_flop(m, a, 8192, 8192) for a in ("pp", "dp")}
     assert at16["dp"] > at16["pp"] and at64["pp"] > at64["dp"]

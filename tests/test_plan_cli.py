@@ -66,6 +66,9 @@ def test_plan_validate_and_presets(capsys):
     (["plan", "layout", "--tp", "8", "--dp", "2"], "16 GPUs; h100-server has 8"),
     (["plan", "search", "--gpus", "9"], "n_gpus must be in 1..8"),
     (["plan", "search", "--runtime", "jax"], "unknown runtime 'jax'"),
+    (["plan", "search", "--zero", "1,5"], "zero stages must be among 0, 1, 2, 3, got [1, 5]"),
+    (["plan", "layout", "--zero", "5"], "zero must be 0, 1, 2 or 3, got 5"),
+    (["plan", "layout", "--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
 ])
 def test_plan_bad_input_is_error_exit_2(capsys, args, words):
     assert cli.main(args) == 2

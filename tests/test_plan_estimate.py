@@ -151,6 +151,12 @@ def test_search_rejects_bad_requests():
         search("llama3-8b", "h100-server", 8, 0)
     with pytest.raises(ValueError, match="checkpoint"):
         search("llama3-8b", "h100-server", 8, 64, checkpoint=("sometimes",))
+    with pytest.raises(ValueError, match=r"zero stages must be among 0, 1, 2, 3, got \[5\]"):
+        search("llama3-8b", "h100-server", 8, 64, zero=(5,))
+    with pytest.raises(ValueError, match=r"microbatch choices must be positive ints, got \[0\]"):
+        search("llama3-8b", "h100-server", 8, 64, microbatch=(0,))
+    with pytest.raises(ValueError, match="tp choices"):
+        search("llama3-8b", "h100-server", 8, 64, tp=[-2])
 
 
 def test_reason_kinds():

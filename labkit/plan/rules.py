@@ -6,13 +6,14 @@
   the bandwidth need the 3-D rule orders TP > CP > PP > DP (CS336 Lecture 7).
 
   For a dense model of ``Ψ ≈ 12·L·h²`` parameters and ``B·s`` tokens per step the planner's
-  accounting gives, at degree 2: TP ``≈ 8·h·L·B·s / (3Ψ·B·s) ∝ 1/h``; CP ``∝ kv/h²``; PP
-  ``2h/(3Ψ)``; DP (ZeRO-1, fp32 gradients) ``1/(B·s)``. So PP needs more than DP only
-  while ``B·s > 1.5·Ψ/h ≈ 18·L·h`` tokens per step: true for Llama 3 8B and 70B at
-  Llama 3's 16M-token batch, **not** for 405B (18·126·16384 = 37M tokens), whose
-  data-parallel traffic per step (≈ 19 GB a GPU) exceeds its pipeline traffic (≈ 1 GB).
-  The rule places DP outermost anyway because its traffic can overlap the whole backward
-  (Llama 3 §3.3.2), while PP's sits between stages.
+  accounting gives, at degree 2 (FLOPs per GPU ``3·Ψ·B·s``): TP ``8·h·L/(3Ψ) ≈ 2/(9h)``;
+  CP ``2·kv·L/Ψ ≈ kv/(6h²)``; PP ``4h/(3Ψ)``; DP (ZeRO-1, fp32 gradients, bf16 weights:
+  ``3Ψ`` bytes) ``1/(B·s)``. So PP needs more than DP only while ``B·s > 3Ψ/(4h) ≈ 9·L·h``
+  tokens per step: true for Llama 3 8B and 70B at Llama 3's 16M-token batch, **not** for
+  405B (3Ψ/(4h) = 18.6M tokens), whose data-parallel traffic per step (≈ 19 GB a GPU in its
+  real layout) exceeds its pipeline traffic (≈ 1 GB). The rule places DP outermost anyway
+  because its traffic can overlap the whole backward (Llama 3 §3.3.2), while PP's sits
+  between stages.
 * :func:`tp_scaling` — throughput per GPU against the tensor-parallel degree, the rest data
   parallel: a few percent per doubling inside the server, then a cliff once the group
   leaves it (HF's measurement in CS336 Lecture 7: −10 %, −10 %, −12 % up to TP 8; −42 % at

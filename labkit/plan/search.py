@@ -145,6 +145,16 @@ def search(model: Union[str, PlanModel], cluster: Union[str, ClusterSpec],
     bad = set(schedules) - {"gpipe", "1f1b", "interleaved"}
     if bad or not list(schedules):
         raise ValueError(f"unknown schedule(s) {sorted(bad)}; known: gpipe, 1f1b, interleaved")
+    zero, microbatch, virtual_stages = list(zero), list(microbatch), list(virtual_stages)
+    if not zero or set(zero) - {0, 1, 2, 3}:
+        raise ValueError(f"zero stages must be among 0, 1, 2, 3, got {zero}")
+    for name, vals in (("microbatch", microbatch), ("virtual_stages", virtual_stages),
+                       ("tp", tp or [1]), ("cp", cp or [1]), ("pp", pp or [1]),
+                       ("dp", dp or [1])):
+        vals = list(vals)
+        if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                           for v in vals):
+            raise ValueError(f"{name} choices must be positive ints, got {vals}")
     fitting, rejected, considered, dominated = [], [], 0, 0
     for t, cc, q, d in degree_choices(m, c, int(n), tp, cp, pp, dp):
         scheds = [("1f1b", 1)] if q == 1 else \
