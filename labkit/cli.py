@@ -12,7 +12,9 @@
 * ``torchrun --nproc-per-node 2 -m labkit run --dp 2 ...`` runs the same job in-process on
   each torchrun worker (env:// rendezvous), gathers every rank's output to rank 0 and
   prints the same table there.
-* ``labkit plan memory --params 7.5e9 --ranks 64 --zero 3``: model-state bytes per rank.
+* ``labkit plan memory --params 7.5e9 --ranks 64 --zero 3``: model-state bytes per rank;
+  ``labkit plan layout ...`` one layout at cluster scale, ``labkit plan search ...`` the best
+  layouts that fit (:mod:`labkit.plan.cli`).
 * ``labkit bench collectives ...``: provided by :mod:`labkit.collectives.bench`.
 
 Bad input is a one-line ``error: ...`` and exit code 2, before any process starts.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -30,7 +31,8 @@ from typing import Optional, Sequence
 
 from . import cli_pipeline
 from .preflight import check_output_path, check_run_fits
-from .cli_report import make_console, render_run, report, run_json
+from .cli_report import render_run, report, run_json
+from .plan.cli import add_plan_parser
 
 __all__ = ["main", "build_parser", "render_run", "run_json", "under_torchrun"]
 
@@ -77,18 +79,7 @@ def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
     cli_pipeline.add_arguments(r)
     r.set_defaults(func=cmd_run)
 
-    pl = sub.add_parser("plan", help="analytic planning (labkit.plan)")
-    plsub = pl.add_subparsers(dest="what", metavar="{memory}", required=True)
-    m = plsub.add_parser("memory", help="model-state bytes per rank under DP / ZeRO-1..3",
-                         description="Bytes of parameters, gradients and Adam state per rank.")
-    m.add_argument("--params", type=_count, required=True,
-                   help="parameters, e.g. 7.5e9 or 7.5B")
-    m.add_argument("--ranks", type=int, default=1, help="data-parallel ranks sharing the state")
-    m.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
-    m.add_argument("--fp32", action="store_true", help="fp32 training (4/4/8 bytes per "
-                   "parameter) instead of mixed precision (2/2/12)")
-    m.add_argument("--json", action="store_true")
-    m.set_defaults(func=cmd_plan_memory)
+    add_plan_parser(sub)  # labkit.plan.cli: memory, layout, search, validate, presets
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="what", metavar="{collectives}", required=True)
@@ -99,19 +90,6 @@ def build_parser(bench_collectives=None) -> argparse.ArgumentParser:
     else:
         c.set_defaults(func=lambda args: _bench_unavailable())
     return p
-
-
-def _count(text: str) -> float:
-    """``7.5e9``, ``7.5B``, ``70M``, ``1.2T`` → a float count."""
-    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-    t = text.strip().lower()
-    try:
-        if t and t[-1] in scale:
-            return float(t[:-1]) * scale[t[-1]]
-        return float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r} (try 7.5e9 or 7.5B)") \
-            from None
 
 
 def _load_bench_collectives():
@@ -266,36 +244,6 @@ def _run_torchrun(args) -> int:
         dist.barrier(group=ctx.group)  # nobody tears gloo down while rank 0 still receives
     finally:
         dist.destroy_process_group()
-    return 0
-
-
-# --------------------------------------------------------------------------- plan
-def cmd_plan_memory(args) -> int:
-    from .plan.memory import GB, GiB, model_state_bytes
-
-    try:
-        out = model_state_bytes(args.params, args.ranks, args.zero,
-                                mixed_precision=not args.fp32)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if args.json:
-        print(json.dumps({"params": args.params, "ranks": args.ranks, "zero": args.zero,
-                          "precision": "fp32" if args.fp32 else "mixed", "bytes": out}))
-        return 0
-    from rich.table import Table
-
-    console = make_console()
-    prec = "fp32 (4/4/8 B/param)" if args.fp32 else "mixed (2/2/12 B/param)"
-    console.print(f"model state per rank · {args.params:.4g} params · {args.ranks} ranks · "
-                  f"ZeRO-{args.zero} · {prec}")
-    t = Table()
-    for col in ("category", "bytes", "GB", "GiB", "B/param"):
-        t.add_column(col, justify="left" if col == "category" else "right")
-    for cat in ("parameters", "gradients", "optimizer", "total"):
-        v = out[cat]
-        t.add_row(cat, f"{v:,.0f}", f"{v / GB:,.3f}", f"{v / GiB:,.3f}",
-                  f"{v / args.params:.3g}" if args.params else "–")
-    console.print(t)
     return 0
 
 
