@@ -19,7 +19,7 @@ from labkit.parallel.context import jobs
 from labkit.parallel.context.blocks import (AttentionSpec, LocalAttention, WorkCounter,
                                             block_forward, group_heads, merge)
 from labkit.parallel.context.layout import causal_pairs_closed_form, chunk_len
-from labkit.parallel.context.measure import bytes_formula, ring_overlap
+from labkit.parallel.context.measure import bytes_formula, ring_overlap, trace_bytes
 from labkit.parallel.context.report import attention_report, model_report
 from labkit.trace import Event
 
@@ -145,6 +145,7 @@ def _cfg(**kw):
     (dict(cp=2, method="ring", zigzag=True, seq_len=128), r"128 exceeds .*seq_len=64"),
 ])
 def test_check_context_parallel_names_the_numbers(args, match):
+    """claim C28: Ulysses needs (query and K/V) heads divisible by cp."""
     with pytest.raises(ValueError, match=match):
         check_context_parallel(_cfg(), **args)
 
@@ -216,6 +217,8 @@ def _assert_parity(result, case, tp=1):
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_attention_parity(request, method, cp, causal, zigzag):
+    """claim C28: each rank holds (B, S/cp) of q, k, v; its output and gradients are its rows
+    of one process's."""
     case = _case(method, cp, causal, zigzag)
     _assert_parity(_run(request, case, f"cluster{cp}"), case)
 
@@ -290,6 +293,11 @@ def test_whole_model_loss_gradients_and_memory(request, method, cp, zigzag):
         assert o["grads"].keys() == ref["grads"].keys()
         for name, g in ref["grads"].items():
             assert (o["grads"][name] - g).abs().max().item() < TOL, (o["rank"], name)
+    m = case.model  # bytes per training step on the cp axis: every layer's attention
+    per_call = bytes_formula(method, cp, batch=case.batch, heads=m.n_heads,
+                             kv_heads=m.kv_heads, seq_len=m.seq_len, head_dim=m.head_dim)
+    for o in r.outputs:
+        assert trace_bytes(r.trace, o["rank"]) == m.n_layers * per_call["total"]
     mem = model_report(r, single)
     assert mem["saved"] == [mem["formula"]] * cp
     if method != "allgather":

@@ -165,7 +165,7 @@ def _loss(logits, targets, n_tokens: int):
 def model_job(ctx, case: ModelCase) -> dict:
     """One forward and backward of the GPT with context-parallel attention.
 
-    Returns ``{"loss"}`` (this rank's share), ``"grads"`` (name → gradient summed over the
+    Returns ``{"rank", "loss"}`` (the loss: this rank's share), ``"grads"`` (name → gradient summed over the
     cp group with :func:`labkit.comm.all_reduce`), ``"saved_bytes"`` (what the model's
     forward saved for backward, parameters excluded) and ``"work"``.
     """
@@ -188,7 +188,7 @@ def model_job(ctx, case: ModelCase) -> dict:
         comm.all_reduce(p.grad, "sum", ctx.group, axis="dp_cp")
         grads[name] = p.grad.detach().cpu()
     ctx.tracer.step = -1
-    return {"loss": loss.item(), "grads": grads, "saved_bytes": meter.bytes,
+    return {"rank": ctx.rank, "loss": loss.item(), "grads": grads, "saved_bytes": meter.bytes,
             "work": core.counter.to_dict()}
 
 

@@ -38,7 +38,7 @@ def _seq_to_heads(x: torch.Tensor, group, cp: int, **tags) -> torch.Tensor:
     # head block j goes to rank j: put it first, as all_to_all splits dim 0
     inp = x.reshape(*lead, cp, h // cp, s, d).movedim(n, 0).contiguous()
     out = torch.empty_like(inp)
-    comm.all_to_all(out, inp, group, axis="cp", **tags)
+    comm.all_to_all(out, inp, group, axis="cp", to="heads", **tags)
     # chunk i came from rank i: its sequence part, which goes to sequence block i
     return out.movedim(0, n + 1).reshape(*lead, h // cp, cp * s, d)
 
@@ -49,7 +49,7 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int, **tags) -> torch.Tensor:
     n = len(lead)
     inp = x.reshape(*lead, h, cp, cps // cp, d).movedim(n + 1, 0).contiguous()
     out = torch.empty_like(inp)
-    comm.all_to_all(out, inp, group, axis="cp", **tags)
+    comm.all_to_all(out, inp, group, axis="cp", to="sequence", **tags)
     return out.movedim(0, n).reshape(*lead, cp * h, cps // cp, d)
 
 
