@@ -111,7 +111,8 @@ def attention_job(ctx, case: AttentionCase) -> dict:
 
     Returns ``{"rank", "cp_rank", "tp_rank", "out", "dq", "dk", "dv"}`` (this rank's
     sequence shard of its heads), ``"work"`` (:meth:`.blocks.WorkCounter.to_dict`) and
-    ``"saved_bytes"`` (what the core saved for backward).
+    ``"saved_bytes"`` (what the core saved for backward beyond its inputs ``q, k, v``: the
+    output and log-sum-exp, and all-gather's gathered K/V).
     """
     group, r, cp, t, tp = _cp_layout(ctx, case.mesh)
     q, k, v, dout = attention_inputs(case)
