@@ -142,11 +142,15 @@ def _model(cfg, mc) -> None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
                          f"the {mc.n_layers // cfg.n_stages} blocks of a stage "
                          f"(n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
-    pending = {k: getattr(p, k) for k in ("tp", "cp", "ep") if getattr(p, k) != 1}
+    if p.cp > 1:
+        from .parallel.context.core import check_context_parallel
+
+        check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)
+    pending = {k: getattr(p, k) for k in ("tp", "ep") if getattr(p, k) != 1}
     if pending:
-        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in pending.items())}: tensor, "
-                         "context and expert parallelism are not available in this labkit "
-                         "yet; use dp, zero_stage and pp")
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in pending.items())}: tensor and "
+                         "expert parallelism are not available in this labkit yet; use dp, "
+                         "zero_stage, pp and cp")
 
 
 def _pipeline(cfg, mc) -> None:
@@ -231,11 +235,13 @@ def _composition(cfg, mc) -> None:
                          "and bf16; use tie_embeddings=False, precision='fp32' or zero_stage=0")
     if cfg.impl == "torch":
         used = [name for name, on in (("data parallelism", p.dp > 1 or z > 0),
-                                      ("pipeline parallelism", p.pp > 1)) if on]
-        if len(used) != 1:
+                                      ("pipeline parallelism", p.pp > 1),
+                                      ("context parallelism", p.cp > 1)) if on]
+        if len(used) != 1 or p.cp > 1:
             raise ValueError(f"impl='torch' runs PyTorch's own version of ONE parallelism "
                              f"(DDP, FSDP2 or pipelining) as a reference; this run uses "
-                             f"{' and '.join(used) or 'none'}")
+                             f"{' and '.join(used) or 'none'} (PyTorch's context parallelism "
+                             "does not run on CPU)")
         if z in (1, 2):
             raise ValueError(f"impl='torch' has no ZeRO-{z}: PyTorch's references are DDP "
                              "(zero_stage=0) and FSDP2 fully_shard (zero_stage=3)")

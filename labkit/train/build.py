@@ -70,6 +70,7 @@ class RankSetup:
     autocast: Callable = None
     track: list = field(default_factory=list)
     plain_params: list = field(default_factory=list)
+    cp_core: Any = None
 
     @property
     def memory_module(self) -> nn.Module:
@@ -98,6 +99,7 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
         setup.stages = {0: model}
     else:
         _split_pipeline(setup, model)
+        _context_parallel(setup)
     del model  # the stages keep their own pieces; the rest of the full model is freed
     setup.rank_params = sum(p.numel() for _, p in unique_parameters(
         nn.ModuleList(setup.stages.values())))
@@ -129,6 +131,27 @@ def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
             _swap_linears(m, setup.store)
     setup.tied = TiedEmbedding(cfg.model_config, sched, pp_index, setup.stages,
                                mg.group("pp"), pp_ranks=mg.ranks("pp"))
+
+
+def _context_parallel(setup: RankSetup) -> None:
+    """Every block's attention runs the context-parallel core over the ``cp`` group, and
+    rotary positions follow this rank's (zigzag) share of the sequence (Liu et al. 2023;
+    Jacobs et al. 2023; Dubey et al. 2024 §3.3.2)."""
+    cfg, mg = setup.cfg, setup.mg
+    if cfg.parallel.cp == 1:
+        return
+    from ..parallel.context import make_attention_core, positions
+
+    mc = cfg.model_config
+    core = make_attention_core(cfg.cp_method, mg.group("cp"), causal=True,
+                               zigzag=cfg.cp_zigzag, seq_len=mc.seq_len)
+    pos = positions(mg.index("cp"), cfg.parallel.cp, mc.seq_len, cfg.cp_zigzag,
+                    device=setup.device)
+    for m in setup.stages.values():
+        m.positions = pos
+        for block in m.layers:
+            block.attn.core = core
+    setup.cp_core = core
 
 
 def _checkpoint(setup: RankSetup) -> None:

@@ -163,6 +163,8 @@ def comm_metrics(ctx, setup, step: int) -> dict:
         predicted["dp"] = _dp_predicted(setup, elem)
     if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
+    if cfg.parallel.cp > 1:
+        predicted["cp"] = _cp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,
             "comm_bytes_per_step": total,
@@ -200,6 +202,27 @@ def _dp_predicted(setup, elem: int) -> dict:
     return out
 
 
+def _cp_predicted(setup) -> dict:
+    """Context-parallel bytes this rank sends per step: each block's attention call, forward
+    and backward (:func:`labkit.parallel.context.measure.bytes_formula`), per microbatch; a
+    recomputing checkpoint policy runs the forward call twice."""
+    from ..parallel.context.measure import bytes_formula
+
+    cfg = setup.cfg
+    mc = cfg.model_config
+    per = bytes_formula(cfg.cp_method, cfg.parallel.cp, batch=cfg.micro,
+                        heads=mc.n_heads // cfg.parallel.tp,
+                        kv_heads=mc.kv_heads // cfg.parallel.tp, seq_len=mc.seq_len,
+                        head_dim=mc.head_dim, elem_bytes=2 if cfg.precision == "bf16" else 4)
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    fwd = per["forward"] * (2 if cfg.checkpoint != "none" else 1)
+    n = layers * cfg.accum_steps
+    if cfg.cp_method == "allgather":  # gather K/V forward, reduce-scatter dK/dV backward
+        return {"all_gather": float(fwd * n), "reduce_scatter": float(per["backward"] * n)}
+    op = "send" if cfg.cp_method == "ring" else "all_to_all"
+    return {op: float((fwd + per["backward"]) * n)}
+
+
 def _pp_predicted(setup) -> dict:
     """Pipeline bytes this rank sends per step: one ``(b, S, H)`` boundary tensor per
     cross-rank SEND_F/SEND_B of the schedule, per flush, plus the tied-embedding exchange."""
@@ -207,7 +230,7 @@ def _pp_predicted(setup) -> dict:
 
     cfg, mg = setup.cfg, setup.mg
     mc = cfg.model_config
-    act = cfg.micro * mc.seq_len * mc.d_model * 4
+    act = cfg.micro * (mc.seq_len // cfg.parallel.cp) * mc.d_model * 4
     sends = sum(1 for a in with_comms(setup.schedule).actions[mg.index("pp")]
                 if a.kind in ("SEND_F", "SEND_B"))
     out = {"send": float(sends * act * cfg.flushes)}

@@ -16,9 +16,10 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 
 def boundary_shape(cfg) -> tuple:
-    """``(micro_batch, S, H)``: the activation (and its gradient) crossing a stage boundary."""
+    """``(micro_batch, S/cp, H)``: the activation (and its gradient) crossing a stage
+    boundary (a rank's share of the sequence under context parallelism)."""
     mc = cfg.model_config
-    return (cfg.micro, mc.seq_len, mc.d_model)
+    return (cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model)
 
 
 def make_executor(setup) -> tuple:

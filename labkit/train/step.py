@@ -43,7 +43,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
     without the last pipeline stage). ``on_synced(s)`` runs after the gradient reduction,
     before the optimizer (to read the reduced gradients)."""
     cfg, mg = setup.cfg, setup.mg
-    dp_index = mg.index("dp")
+    dp_index, cp_index = mg.index("dp"), mg.index("cp")
     scale = grad_scale(setup)
     micro, accum = cfg.micro, cfg.accum_steps
 
@@ -71,7 +71,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
             p.grad = None
 
     def step_plain(s: int, mark) -> float:
-        x, y = rank_batch(cfg, s, dp_index, setup.device)
+        x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         stage, fwd = setup.stages[0], setup.forward[0]
         total = 0.0
         for m in range(accum):
@@ -89,7 +89,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
         return total / (cfg.global_batch * tokens_per_sample(cfg))
 
     def step_pipeline(s: int, mark) -> float:
-        x, y = rank_batch(cfg, s, dp_index, setup.device)
+        x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         per_flush = cfg.flush_microbatches * micro
         setup.require_sync(False)  # reduce once, after the last flush
         total = 0.0
