@@ -92,7 +92,7 @@ def test_unknown_preset():
 def test_cluster_validates_before_launch(cluster2):
     from labkit import jobs
     pids = cluster2.pids
-    with pytest.raises(ValueError, match="dp=4"):
+    with pytest.raises(ValueError, match=r"= 4 ranks but the cluster has world_size=2"):
         cluster2.run(jobs.train, RunConfig().replace(dp=4))
     assert cluster2.pids == pids  # nothing was restarted
 
