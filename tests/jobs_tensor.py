@@ -31,6 +31,7 @@ class TPRun:
     # a whole lr step: at eps=1e-8 one process in fp32 and in fp64 already differ by 1.2e-4
     # after 3 steps on one of these models; 1e-6 keeps the check about parallelism
     eps: float = 1e-6
+    attention: str = "sdpa"       # or "math"
     mutant: str = ""              # a planted bug, to see the parity tests fail
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
@@ -47,7 +48,7 @@ def batch(run: TPRun, step: int) -> tuple:
 def reference(run: TPRun) -> dict:
     """One process, the full model: losses, step-0 gradients, parameters after the steps."""
     torch.set_num_threads(1)
-    model = build_model(run.model, seed=run.seed)
+    model = build_model(run.model, seed=run.seed, attention=run.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay,
                             eps=run.eps)
     losses, grads = [], None
@@ -65,40 +66,75 @@ def reference(run: TPRun) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _plant(mutant: str) -> None:
-    """Swap in a wrong piece of labkit's tensor parallelism, in this rank process only."""
-    from labkit.parallel.tensor import cross_entropy, functions, layers, vocab
 
-    if mutant == "no_sp_norm_grad_sum":
-        layers.copy_to_tp = lambda x, group, **tags: x
-    elif mutant == "wrong_vocab_offset":
+
+def _plant(mutant: str):
+    """Swap in a wrong piece of labkit's tensor parallelism in this rank process; returns the
+    function that puts the right one back."""
+    from labkit.parallel.tensor import attention, cross_entropy, functions, layers, vocab
+
+    undo = []
+
+    def patch(obj, name, value):
+        undo.append((obj, name, obj.__dict__[name]))
+        setattr(obj, name, value)
+
+    if mutant == "no_sp_norm_grad_sum":      # norm weight used without the tp-sum of its grad
+        patch(layers, "copy_to_tp", lambda x, group, **tags: x)
+    elif mutant == "no_kv_grad_sum":         # replicated K/V weight without the tp-sum
+        patch(attention, "copy_to_tp", lambda x, group, **tags: x)
+    elif mutant == "wrong_vocab_offset":     # embedding rows shifted by one id
         orig = vocab.VocabParallelEmbedding.__init__
 
         def init(self, weight, vocab_start, group, **kw):
             orig(self, weight, vocab_start + 1, group, **kw)
-        vocab.VocabParallelEmbedding.__init__ = init
-    elif mutant == "no_padding_mask":
-        orig_fwd = cross_entropy._VocabParallelCrossEntropy.forward
+        patch(vocab.VocabParallelEmbedding, "__init__", init)
+    elif mutant == "no_padding_mask":        # padding columns counted as vocabulary
+        fn = cross_entropy._VocabParallelCrossEntropy.forward
 
         def fwd(ctx, logits, target, vocab_start, vocab_size, *rest):
-            big = vocab_start + logits.shape[-1]  # pretend every column is real vocabulary
-            return orig_fwd(ctx, logits, target, vocab_start, max(vocab_size, big), *rest)
-        cross_entropy._VocabParallelCrossEntropy.forward = staticmethod(fwd)
-    elif mutant == "g_backward_all_reduce":
-        functions.AllReduceFwdIdentityBwd.backward = staticmethod(
-            lambda ctx, grad: (functions._all_reduce(grad, ctx.group, {}), None, None)) \
-            if False else staticmethod(lambda ctx, grad: (grad * 2, None, None))
+            return fn(ctx, logits, target, vocab_start, 10**9, *rest)
+        patch(cross_entropy._VocabParallelCrossEntropy, "forward", staticmethod(fwd))
+    elif mutant == "g_backward_all_reduce":  # g's backward sums again (a common slip)
+        g = functions.AllReduceFwdIdentityBwd
+
+        def forward(ctx, x, group, tags):
+            ctx.group = group
+            return functions._all_reduce(x, group, tags)
+        patch(g, "forward", staticmethod(forward))
+        patch(g, "backward", staticmethod(
+            lambda ctx, grad: (functions._all_reduce(grad, ctx.group, {}), None, None)))
+    elif mutant == "wrong_kv_head":          # a replicated K/V head read by the wrong ranks
+        orig = attention.ReplicatedKV.__init__
+
+        def init(self, weight, head, head_dim, group, tags):
+            n_heads = weight.shape[0] // head_dim
+            orig(self, weight, functions.tp_rank(group) % n_heads, head_dim, group, tags)
+        patch(attention.ReplicatedKV, "__init__", init)
+    elif mutant == "sp_gather_order":        # sequence pieces concatenated batch-major
+        def gather(x, group, tags=None):
+            n = functions.tp_size(group)
+            x = x.contiguous()
+            buf = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]))
+            functions.comm.all_gather(buf, x, group=group, axis="tp")
+            return buf.reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+        patch(functions, "gather_seq", gather)
+    elif mutant == "ce_local_max":           # each rank shifts by its own max
+        patch(cross_entropy.comm, "all_reduce", _skip_max(cross_entropy.comm.all_reduce))
     elif mutant:
         raise ValueError(f"unknown mutant {mutant!r}")
 
+    def restore():
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+    return restore
 
-def _unplant() -> None:
-    import importlib
 
-    from labkit.parallel.tensor import cross_entropy, functions, layers, vocab
-
-    for m in (functions, layers, vocab, cross_entropy):
-        importlib.reload(m)
+def _skip_max(all_reduce):
+    def call(tensor, op="sum", **kw):
+        if op != "max":
+            all_reduce(tensor, op, **kw)
+    return call
 
 
 def tp_train(ctx, run: TPRun) -> dict:
@@ -107,20 +143,18 @@ def tp_train(ctx, run: TPRun) -> dict:
     torch.set_num_threads(1)
     from labkit.parallel.pipeline.stage import StageModule
 
-    if run.mutant:
-        _plant(run.mutant)
+    restore = _plant(run.mutant)
     try:
         return _train(ctx, run, StageModule)
     finally:
-        if run.mutant:
-            _unplant()
+        restore()
 
 
 def _train(ctx, run: TPRun, StageModule) -> dict:
     from labkit.parallel import tensor as tpmod
 
-    group = ctx.group if run.tp > 1 else None
-    model = build_model(run.model, seed=run.seed)
+    group = ctx.group
+    model = build_model(run.model, seed=run.seed, attention=run.attention)
     if run.as_stage:
         model = StageModule(model, 0, 1)
     info = None
@@ -174,3 +208,78 @@ def _full(model, what: str, info) -> dict:
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
         out[n] = t.detach().float().cpu().clone()
     return out
+
+
+def tp_measure(ctx, run: TPRun) -> dict:
+    """Activation bytes per block (plain and with the attention core recomputed), then one
+    traced training step (step 0) and the model-state bytes after it."""
+    torch.set_num_threads(1)
+    from labkit.parallel.tensor import apply_tensor_parallel
+    from labkit.parallel.tensor.activations import (measure_block_activations,
+                                                    recompute_attention_core)
+    from labkit.parallel.tensor.measure import measured_state_bytes
+
+    model = build_model(run.model, seed=run.seed, attention=run.attention)
+    info = apply_tensor_parallel(model, ctx.group, sequence_parallel=run.sp,
+                                 regather=run.regather)
+    x, y = batch(run, 0)
+    act = measure_block_activations(model, x)
+    with recompute_attention_core(model):
+        act_rc = measure_block_activations(model, x)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, eps=run.eps)
+    ctx.tracer.step = 0
+    loss = model.loss(model(x), y, "mean")
+    loss.backward()
+    opt.step()
+    ctx.tracer.step = -1
+    return {"act": act, "act_recompute": act_rc, "state": measured_state_bytes(model, opt),
+            "padding_bytes": info.padding_bytes, "padding_bytes_total": info.padding_bytes_total}
+
+
+@dataclass(frozen=True)
+class CECase:
+    """A cross-entropy check: ``n`` tokens over a vocabulary of ``vocab``."""
+
+    vocab: int = 37
+    n: int = 24
+    scale: float = 1.0            # logits ~ N(0, scale²); 1e4 checks stability
+    label_smoothing: float = 0.0
+    ignore: bool = False          # a quarter of the targets are ignore_index
+    reduction: str = "mean"
+    garbage: float = 1e4          # what the padding columns hold (they must not count)
+    mutant: str = ""
+
+
+def ce_inputs(case: CECase) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(case.n, case.vocab, generator=g) * case.scale
+    targets = torch.randint(0, case.vocab, (case.n,), generator=g)
+    if case.ignore:
+        targets[::4] = -100
+    weights = torch.rand(case.n, generator=g) + 0.5   # d(loss)/d(out) for reduction="none"
+    return logits, targets, weights
+
+
+def ce_check(ctx, case: CECase) -> dict:
+    """This rank's vocab-parallel loss and the gradient of its logit shard (padding columns
+    filled with ``case.garbage``)."""
+    from labkit.parallel.tensor import vocab_parallel_cross_entropy
+    from labkit.parallel.tensor.vocab import padded_vocab
+
+    restore = _plant(case.mutant)
+    try:
+        logits, targets, weights = ce_inputs(case)
+        n = ctx.world_size
+        vp = padded_vocab(case.vocab, n)
+        full = torch.full((case.n, vp), case.garbage)
+        full[:, :case.vocab] = logits
+        per = vp // n
+        local = full[:, ctx.rank * per:(ctx.rank + 1) * per].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, ctx.group,
+                                            vocab_start=ctx.rank * per, vocab_size=case.vocab,
+                                            label_smoothing=case.label_smoothing,
+                                            reduction=case.reduction)
+        (loss * weights if case.reduction == "none" else loss).sum().backward()
+        return {"loss": loss.detach(), "grad": local.grad, "start": ctx.rank * per}
+    finally:
+        restore()

@@ -38,7 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z = z.masked_fill(torch.arange(n_local, device=z.device) >= n_real, float("-inf"))
         zmax = z.amax(dim=-1)
         if tp_size(group) > 1:
-            comm.all_reduce(zmax, op="max", group=group, axis=AXIS, site="loss")
+            comm.all_reduce(zmax, op="max", group=group, axis=AXIS, site="loss", phase="forward")
         shifted = z - zmax.unsqueeze(-1)
         exp = shifted.exp()
         local_t = target - vocab_start
@@ -51,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sums.append(shifted[:, :n_real].sum(-1))
         sums = torch.stack(sums)
         if tp_size(group) > 1:
-            comm.all_reduce(sums, group=group, axis=AXIS, site="loss")
+            comm.all_reduce(sums, group=group, axis=AXIS, site="loss", phase="forward")
         log_z = sums[0].log()
         loss = log_z - sums[1]
         if smoothing > 0:

@@ -18,8 +18,9 @@ only for the column-parallel matmuls. An all-reduce is a reduce-scatter followed
 all-gather, so the pair moves the same bytes as ``f``/``g``.
 
 Every transfer goes through :mod:`labkit.comm` (traced; ``axis="tp"``), with ``tags`` (for
-example ``layer=3, site="attn_in"``) stored on the trace event so measurements can attribute
-bytes to a block and a site. A degree-1 group (``group=None``) communicates nothing.
+example ``layer=3, site="attn_in"``) and ``phase`` (``"forward"``/``"backward"``) stored on
+the trace event, so measurements can attribute bytes to a block, a site and a pass. A
+degree-1 group (``group=None``) communicates nothing.
 """
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def tp_rank(group) -> int:
     import torch.distributed as dist
 
     return 0 if group is None else dist.get_rank(group)
+
+
+def _fwd(tags: dict) -> dict:
+    return {**tags, "phase": "forward"}
+
+
+def _bwd(tags: dict) -> dict:
+    return {**tags, "phase": "backward"}
 
 
 def _all_reduce(x: torch.Tensor, group, tags: dict) -> torch.Tensor:
@@ -110,7 +119,7 @@ class IdentityFwdAllReduceBwd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, ctx.tags), None, None
+        return _all_reduce(grad, ctx.group, _bwd(ctx.tags)), None, None
 
 
 class AllReduceFwdIdentityBwd(torch.autograd.Function):
@@ -120,7 +129,7 @@ class AllReduceFwdIdentityBwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, tags):
-        return _all_reduce(x, group, tags)
+        return _all_reduce(x, group, _fwd(tags))
 
     @staticmethod
     def backward(ctx, grad):
@@ -136,11 +145,11 @@ class AllGatherFwdReduceScatterBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tags):
         ctx.group, ctx.tags = group, tags
-        return gather_seq(x, group, tags)
+        return gather_seq(x, group, _fwd(tags))
 
     @staticmethod
     def backward(ctx, grad):
-        return scatter_seq(grad, ctx.group, ctx.tags), None, None
+        return scatter_seq(grad, ctx.group, _bwd(ctx.tags)), None, None
 
 
 class ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
@@ -151,11 +160,11 @@ class ReduceScatterFwdAllGatherBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tags):
         ctx.group, ctx.tags = group, tags
-        return scatter_seq(x, group, tags)
+        return scatter_seq(x, group, _fwd(tags))
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_seq(grad, ctx.group, ctx.tags), None, None
+        return gather_seq(grad, ctx.group, _bwd(ctx.tags)), None, None
 
 
 def copy_to_tp(x: torch.Tensor, group, **tags) -> torch.Tensor:

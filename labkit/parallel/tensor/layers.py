@@ -55,17 +55,18 @@ class _RegatherColumnMatmuls(torch.autograd.Function):
     def forward(ctx, x_local, group, tags, *weights):
         ctx.group, ctx.tags = group, tags
         ctx.save_for_backward(x_local, *weights)
-        x = gather_seq(x_local, group, tags)
+        x = gather_seq(x_local, group, {**tags, "phase": "forward"})
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         x_local, *weights = ctx.saved_tensors
-        x = gather_seq(x_local, ctx.group, {**ctx.tags, "regather": True})
+        bwd = {**ctx.tags, "phase": "backward"}
+        x = gather_seq(x_local, ctx.group, {**bwd, "regather": True})
         x2 = x.reshape(-1, x.shape[-1])
         gx = sum(g @ w for g, w in zip(grads, weights))
         gws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grads]
-        return (scatter_seq(gx, ctx.group, ctx.tags), None, None, *gws)
+        return (scatter_seq(gx, ctx.group, bwd), None, None, *gws)
 
 
 def column_matmuls(x: torch.Tensor, weights: Sequence[torch.Tensor], group, *,
@@ -119,7 +120,8 @@ class ColumnParallelLinear(nn.Module):
                               regather=self.regather, **self.tags)[0]
 
     def extra_repr(self) -> str:
-        return f"local_out={self.weight.shape[0]}, in={self.weight.shape[1]}, tp={tp_size(self.group)}"
+        o, i = self.weight.shape
+        return f"local_out={o}, in={i}, tp={tp_size(self.group)}"
 
 
 class RowParallelLinear(nn.Module):
@@ -146,7 +148,8 @@ class RowParallelLinear(nn.Module):
                           sequence_parallel=self.sequence_parallel, **self.tags)
 
     def extra_repr(self) -> str:
-        return f"out={self.weight.shape[0]}, local_in={self.weight.shape[1]}, tp={tp_size(self.group)}"
+        o, i = self.weight.shape
+        return f"out={o}, local_in={i}, tp={tp_size(self.group)}"
 
 
 class ParallelRMSNorm(nn.Module):

@@ -9,7 +9,6 @@ replicated-K/V plan), and the attention modules' head counts are set to the loca
 """
 from __future__ import annotations
 
-
 import torch.nn.functional as F
 from torch import nn
 

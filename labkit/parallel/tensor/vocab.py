@@ -85,7 +85,7 @@ class VocabParallelEmbedding(nn.Module):
                           site="emb_out")
 
     def extra_repr(self) -> str:
-        return f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}), tp={tp_size(self.group)}"
+        return _rows(self)
 
 
 class VocabParallelHead(nn.Module):
@@ -105,4 +105,9 @@ class VocabParallelHead(nn.Module):
                               regather=self.regather, site="head_in")[0]
 
     def extra_repr(self) -> str:
-        return f"rows=[{self.vocab_start}, {self.vocab_start + self.weight.shape[0]}), tp={tp_size(self.group)}"
+        return _rows(self)
+
+
+def _rows(m: nn.Module) -> str:
+    lo = m.vocab_start
+    return f"rows=[{lo}, {lo + m.weight.shape[0]}), tp={tp_size(m.group)}"
