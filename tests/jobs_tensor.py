@@ -283,3 +283,34 @@ def ce_check(ctx, case: CECase) -> dict:
         return {"loss": loss.detach(), "grad": local.grad, "start": ctx.rank * per}
     finally:
         restore()
+
+
+def tp_hooks(ctx, run: TPRun) -> dict:
+    """What ``attn.core`` receives after the convert (and that the output is unchanged), and
+    how a tied GPT's first and last pipeline stages shard the vocabulary."""
+    torch.set_num_threads(1)
+    from labkit.models.gpt import attention_core
+    from labkit.parallel.pipeline.stage import StageModule
+    from labkit.parallel.tensor import apply_tensor_parallel
+
+    model = build_model(run.model, seed=run.seed)
+    apply_tensor_parallel(model, ctx.group, sequence_parallel=run.sp)
+    x, _ = batch(run, 0)
+    plain = model(x).detach()
+    shapes = []
+
+    def core(q, k, v):
+        shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return attention_core(q, k, v, True, "sdpa")
+    for block in model.layers:
+        block.attn.core = core
+    hooked = model(x).detach()
+    gpt = build_model(run.model, seed=run.seed)
+    first, last = StageModule(gpt, 0, 2), StageModule(gpt, 1, 2)
+    i0 = apply_tensor_parallel(first, ctx.group, sequence_parallel=run.sp)
+    i1 = apply_tensor_parallel(last, ctx.group, sequence_parallel=run.sp)
+    return {"shapes": shapes, "same": torch.equal(plain, hooked),
+            "emb": first.tok_emb.weight.detach(), "head": last.head.weight.detach(),
+            "starts": (i0.vocab_start, i1.vocab_start), "tied": (i0.tied, i1.tied),
+            "positions": (i0.positions_set, i1.positions_set),
+            "boundary": i0.boundary_shape(run.batch, run.model.seq_len, run.model.d_model)}

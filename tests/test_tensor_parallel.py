@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from jobs_tensor import CECase, TPRun, ce_check, ce_inputs, reference, tp_measure, tp_train
+from jobs_tensor import (CECase, TPRun, ce_check, ce_inputs, reference, tp_hooks, tp_measure,
+                         tp_train)
 
 from labkit.config import ModelConfig
 from labkit.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
@@ -91,6 +92,25 @@ def test_parity_sequence_parallel_regather_and_stage(request, tp):
     for kw in ({"regather": True}, {"as_stage": True}, {"as_stage": True, "regather": True}):
         run = TPRun(model=_model(2, tied=False), tp=tp, sp=True, **kw)
         assert _worst(_reference(run), cluster.run(tp_train, run, nranks=tp).outputs) < TOL
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (4, True)])
+def test_core_hook_and_tied_stages(request, tp, sp):
+    """attn.core (context parallelism's hook) receives this rank's heads, after rotary and
+    before the grouped-query repeat; a tied GPT's first and last stages shard the same rows;
+    with SP the boundary activation is (B, S/T, H) and stages get full rotary positions."""
+    run = TPRun(model=_model(2), tp=tp, sp=sp)
+    r = _cluster(request, tp).run(tp_hooks, run, nranks=tp)
+    b, s, d = run.batch, run.model.seq_len, run.model.head_dim
+    kv_local = max(2 // tp, 1)
+    for out in r.outputs:
+        assert out["same"]
+        assert out["shapes"] == [((b, 4 // tp, s, d), (b, kv_local, s, d),
+                                  (b, kv_local, s, d))] * run.model.n_layers
+        assert torch.equal(out["emb"], out["head"]) and out["starts"][0] == out["starts"][1]
+        assert out["tied"] == (False, False)  # one table per stage here
+        assert out["positions"] == (sp, sp)
+        assert out["boundary"] == (b, s // tp if sp else s, run.model.d_model)
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -244,6 +264,11 @@ def test_activation_memory_equals_adjusted_c18(request, tp, sp, regather, attent
         for out in r.outputs:
             for layer in range(run.model.n_layers):
                 assert out[key][layer] == want, (key, layer)
+    if tp == 1:  # the same count as the checkpointing module's per-layer formula
+        from labkit.parallel.checkpoint_jobs import adjusted_layer_bytes
+
+        assert r.outputs[0]["act"][0] == adjusted_layer_bytes(run.model, run.batch,
+                                                              attention=attention)
     if sp and regather:
         _, single = _measure(request, 1, False, False, attention)
         assert r.outputs[0]["act_recompute"][0] * tp == single.outputs[0]["act_recompute"][0]
