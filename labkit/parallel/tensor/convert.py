@@ -119,7 +119,10 @@ def apply_tensor_parallel(module: nn.Module, group, *, sequence_parallel: bool =
     After the call ``module(idx)`` returns vocab-sharded logits ``(B, S, V'/T)``,
     ``module.loss(logits, targets, reduction)`` is the vocab-parallel cross-entropy, and
     ``GPT.forward(idx, targets)`` returns it (mean). ``attn.core`` stays a hook; it receives
-    this rank's heads.
+    this rank's heads. Every tp rank computes the same loss (do not sum it over tp), and after
+    backward every gradient is complete on its rank, including those of the weights held
+    whole (sequence-parallel norms, replicated K/V): nothing is left to reduce over tp. A
+    stage converted with sequence parallelism expects sequences of ``seq_len`` tokens.
 
     Returns:
         :class:`TensorParallelInfo`.
@@ -176,7 +179,8 @@ def apply_tensor_parallel(module: nn.Module, group, *, sequence_parallel: bool =
         module.positions = torch.arange(s, device=module.rope_cos.device)
         positions_set = True
 
-    pad = padding(vocab, hidden, n, rank, tables=1) if vocab else \
+    elem = table.weight.element_size() if table is not None else 4
+    pad = padding(vocab, hidden, n, rank, bytes_per_elem=elem) if vocab else \
         {"padded_vocab": 0, "rows": 0, "bytes": 0, "total_bytes": 0}
     tables = (emb is not None) + (head is not None and not tied)
     blk = layers[0] if layers else None
