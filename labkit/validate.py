@@ -111,6 +111,7 @@ def _fields(cfg) -> None:
         raise ValueError(f"seed must be an int >= 0, got {cfg.seed!r}")
     _number(cfg.lr, "lr", 0, strict=True)
     _number(cfg.weight_decay, "weight_decay", 0, strict=False)
+    _number(cfg.adam_eps, "adam_eps", 0, strict=True)
     _number(cfg.timeout_s, "timeout_s", 0, strict=True)
     _number(cfg.bucket_mb, "bucket_mb", 0, strict=True)
     if isinstance(cfg.zero_stage, bool) or cfg.zero_stage not in (0, 1, 2, 3):
@@ -142,15 +143,18 @@ def _model(cfg, mc) -> None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
                          f"the {mc.n_layers // cfg.n_stages} blocks of a stage "
                          f"(n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
+    if p.tp > 1:
+        from .parallel.tensor.check import check_tensor_parallel
+
+        # with context parallelism the residual stream holds S/cp tokens of each sequence
+        check_tensor_parallel(mc, p.tp, cfg.sequence_parallel, seq_len=mc.seq_len // p.cp)
     if p.cp > 1:
         from .parallel.context.core import check_context_parallel
 
         check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)
-    pending = {k: getattr(p, k) for k in ("tp", "ep") if getattr(p, k) != 1}
-    if pending:
-        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in pending.items())}: tensor and "
-                         "expert parallelism are not available in this labkit yet; use dp, "
-                         "zero_stage, pp and cp")
+    if p.ep != 1:
+        raise ValueError(f"ep={p.ep}: expert parallelism is not available in this labkit "
+                         "yet; use dp, zero_stage, pp, tp and cp")
 
 
 def _pipeline(cfg, mc) -> None:
@@ -236,12 +240,14 @@ def _composition(cfg, mc) -> None:
     if cfg.impl == "torch":
         used = [name for name, on in (("data parallelism", p.dp > 1 or z > 0),
                                       ("pipeline parallelism", p.pp > 1),
+                                      ("tensor parallelism", p.tp > 1),
                                       ("context parallelism", p.cp > 1)) if on]
-        if len(used) != 1 or p.cp > 1:
+        if len(used) != 1 or p.cp > 1 or p.tp > 1:
             raise ValueError(f"impl='torch' runs PyTorch's own version of ONE parallelism "
                              f"(DDP, FSDP2 or pipelining) as a reference; this run uses "
-                             f"{' and '.join(used) or 'none'} (PyTorch's context parallelism "
-                             "does not run on CPU)")
+                             f"{' and '.join(used) or 'none'} (PyTorch's tensor parallelism "
+                             "is compared in tests/test_tensor_parallel.py; its context "
+                             "parallelism does not run on CPU)")
         if z in (1, 2):
             raise ValueError(f"impl='torch' has no ZeRO-{z}: PyTorch's references are DDP "
                              "(zero_stage=0) and FSDP2 fully_shard (zero_stage=3)")

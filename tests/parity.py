@@ -17,7 +17,7 @@ _REF: dict = {}
 def cached_reference(cfg) -> dict:
     """The single-process reference, cached per (model, batch, steps, seed, lr, wd)."""
     key = (cfg.model_config, cfg.global_batch, cfg.steps, cfg.seed, cfg.lr, cfg.weight_decay,
-           cfg.dataset)
+           cfg.adam_eps, cfg.dataset)
     if key not in _REF:
         _REF[key] = reference(cfg)
     return _REF[key]

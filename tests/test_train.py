@@ -11,8 +11,10 @@ from labkit.config import ModelConfig, RunConfig
 
 pytestmark = pytest.mark.distributed
 
+# adam_eps 1e-6: with PyTorch's 1e-8 a parameter whose gradient is ~1e-9 moves by up to lr
+# when the gradient's last bit changes, which one process in fp32 vs fp64 already shows
 BASE = RunConfig(steps=3, global_batch=8, return_state=True, return_grads=True,
-                 measure_memory=False, count_flops=False, timeout_s=120)
+                 measure_memory=False, count_flops=False, timeout_s=120, adam_eps=1e-6)
 #: 4 thin layers: pp=2 with 2 stages per rank (interleaved, ZB-V)
 DEEP = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, name="deep4")
 UNTIED = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, tie_embeddings=False,
@@ -123,3 +125,43 @@ def test_context_parallel_composes_four_ranks(cluster4, name):
     for m in r.metrics:
         got = {k: v for k, v in m["comm_bytes_by_axis"]["cp"].items() if v}
         assert got == m["comm_predicted_by_axis"]["cp"]
+
+
+TP = {  # tensor (and sequence) parallelism through the one job
+    "tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "tp2-gqa-replicated-kv": dict(tp=2, model=ModelConfig(n_heads=4, n_kv_heads=1)),
+    "tp2-untied-sp-accum": dict(tp=2, sequence_parallel=True, micro_batch=4, model=UNTIED),
+    "tp2-checkpoint": dict(tp=2, checkpoint="full"),
+}
+TP4 = {"tp2xdp2": dict(tp=2, dp=2), "tp2xzero3": dict(tp=2, dp=2, zero_stage=3),
+       "tp2xpp2": dict(tp=2, pp=2), "tp2-sp-xpp2": dict(tp=2, pp=2, sequence_parallel=True),
+       "tp2xcp2": dict(tp=2, cp=2), "tp2-sp-xcp2-ulysses": dict(
+           tp=2, cp=2, sequence_parallel=True, cp_method="ulysses",
+           model=ModelConfig(n_heads=4, n_kv_heads=4)),
+       "tp4": dict(tp=4), "tp4-sp": dict(tp=4, sequence_parallel=True)}
+
+
+def _tp_bytes_exact(r):
+    for m in r.metrics:
+        for axis in ("tp", "cp"):
+            if axis in m["comm_predicted_by_axis"]:
+                got = {k: v for k, v in m["comm_bytes_by_axis"][axis].items() if v}
+                assert got == m["comm_predicted_by_axis"][axis], (axis, m["rank"])
+
+
+@pytest.mark.parametrize("name", list(TP))
+def test_tensor_parallel_parity_two_ranks(cluster2, name):
+    """C24-C26 through the job: parity, and the tp bytes of a step equal the formula
+    (blocks, embedding, head, vocab-parallel loss, recomputation) exactly, every rank."""
+    cfg = BASE.replace(**TP[name])
+    r = cluster2.run(jobs.train, cfg)
+    assert_parity(r, cfg)
+    _tp_bytes_exact(r)
+
+
+@pytest.mark.parametrize("name", list(TP4))
+def test_tensor_parallel_composes_four_ranks(cluster4, name):
+    cfg = BASE.replace(**TP4[name])
+    r = cluster4.run(jobs.train, cfg)
+    assert_parity(r, cfg)
+    _tp_bytes_exact(r)

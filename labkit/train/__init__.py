@@ -105,7 +105,8 @@ def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
 
     Only ranks that computed a loss contribute (the last pipeline stage; a tensor-parallel
     group counts once). One untraced all-reduce after training: bookkeeping, not traffic."""
-    t = torch.tensor(shares, dtype=torch.float64)
+    first_of_tp = setup.mg.index("tp") == 0  # every tp rank holds the same loss
+    t = torch.tensor([x if first_of_tp else 0.0 for x in shares], dtype=torch.float64)
     if ctx.world_size == 1:
         return t.tolist()
     enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
@@ -117,30 +118,53 @@ def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
 
 
 def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
-    """``{full name: fp32 CPU tensor}`` over this rank's stages: ``fn_wrapper(w)`` for
-    sharded stages (gathered ``{local name: tensor}``), ``fn_param(p)`` for the rest."""
+    """``{full name: fp32 CPU tensor}`` over this rank's stages, at the full model's shapes:
+    ``fn_wrapper(w)`` gathers a sharded stage over its ZeRO shard group (``{local name:
+    tensor}``), ``fn_param(p)`` reads the rest; tensor-parallel shards are then gathered over
+    the tp group (collective: every rank calls this)."""
     out = {}
     sharded = {id(w.module): w for w in setup.sharded}
     for s in sorted(setup.stages):
         m = setup.stages[s]
-        full = getattr(m, "full_name", lambda n: n)
+        local = {}
         if id(m) in sharded:
-            for name, t in fn_wrapper(sharded[id(m)]).items():
-                out[full(name)] = t.detach().float().cpu().clone()
+            local = {n: t.detach().float() for n, t in fn_wrapper(sharded[id(m)]).items()}
         for name, p in unique_parameters(m):
-            if id(m) not in sharded or full(name) not in out:
+            if name not in local:
                 v = fn_param(p)
                 if v is not None:
-                    out[full(name)] = v
+                    local[name] = v
+        info = getattr(m, "tp_info", None)
+        for name, t in local.items():
+            if info is None:
+                out[getattr(m, "full_name", lambda n: n)(name)] = t.cpu().clone()
+            else:
+                full, dim, size = info.shards[name]
+                out[full] = _tp_gather(setup, t, dim, size)
     if "tok_emb.weight" in out and setup.cfg.model_config.tie_embeddings:
         if any(getattr(m, "head", None) is not None for m in setup.stages.values()):
             out.setdefault("head.weight", out["tok_emb.weight"])  # one parameter, two names
     return out
 
 
+def _tp_gather(setup: RankSetup, t: torch.Tensor, dim, size: int) -> torch.Tensor:
+    """A tensor-parallel shard rebuilt to its full shape: all-gathered over the tp group
+    along ``dim`` and cut to ``size`` (the vocabulary padding dropped)."""
+    if dim is None:
+        return t.float().cpu().clone()
+    tp = setup.mg.size("tp")
+    x = t.transpose(0, dim).contiguous() if dim else t.contiguous()
+    buf = torch.empty((tp * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(buf, x, group=setup.mg.group("tp"), axis="tp")
+    buf = buf.transpose(0, dim) if dim else buf
+    return buf.narrow(dim, 0, size).float().cpu().clone()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as a plain fp32 tensor on its device (FSDP2's DTensors
+    gathered)."""
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return t.detach().float().cpu().clone()
+    return t.detach().float()
 
 
 def _rank_state(setup: RankSetup) -> dict:
@@ -164,7 +188,8 @@ def reference(cfg, device: str = "cpu") -> dict:
     """
     mc = cfg.model_config
     model = build_model(mc, device=device, seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            eps=cfg.adam_eps)
     losses, grads = [], {}
     for s in range(cfg.steps):
         x, y = make_batch(cfg, s)

@@ -71,6 +71,7 @@ class RankSetup:
     track: list = field(default_factory=list)
     plain_params: list = field(default_factory=list)
     cp_core: Any = None
+    tp_info: Any = None
 
     @property
     def memory_module(self) -> nn.Module:
@@ -99,7 +100,9 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
         setup.stages = {0: model}
     else:
         _split_pipeline(setup, model)
+        _tensor_parallel(setup)
         _context_parallel(setup)
+        _tie_across_stages(setup)
     del model  # the stages keep their own pieces; the rest of the full model is freed
     setup.rank_params = sum(p.numel() for _, p in unique_parameters(
         nn.ModuleList(setup.stages.values())))
@@ -115,7 +118,7 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
 
 
 def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
-    from ..parallel.pipeline.stage import StageModule, TiedEmbedding, WeightGradStore, _swap_linears
+    from ..parallel.pipeline.stage import StageModule, WeightGradStore, _swap_linears
 
     cfg, mg = setup.cfg, setup.mg
     if cfg.parallel.pp == 1:
@@ -129,8 +132,36 @@ def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
         setup.store = WeightGradStore()
         for m in setup.stages.values():
             _swap_linears(m, setup.store)
-    setup.tied = TiedEmbedding(cfg.model_config, sched, pp_index, setup.stages,
+
+
+def _tie_across_stages(setup: RankSetup) -> None:
+    """The tied embedding's two copies (first and last stage, on different pipeline ranks)
+    are summed before any data-parallel reduction — taken after tensor parallelism, whose
+    vocabulary shards are the parameters that train."""
+    cfg, mg = setup.cfg, setup.mg
+    if setup.schedule is None:
+        return
+    from ..parallel.pipeline.stage import TiedEmbedding
+
+    setup.tied = TiedEmbedding(cfg.model_config, setup.schedule, mg.index("pp"), setup.stages,
                                mg.group("pp"), pp_ranks=mg.ranks("pp"))
+
+
+def _tensor_parallel(setup: RankSetup) -> None:
+    """Each stage sliced to this rank's tensor-parallel shard (Shoeybi et al. 2019 §3;
+    Korthikanti et al. 2022 for sequence parallelism): column/row-parallel attention and
+    SwiGLU, vocab-parallel embedding, head and cross-entropy. Every tp rank computes the same
+    loss and ends backward with complete gradients for its shard."""
+    cfg, mg = setup.cfg, setup.mg
+    if cfg.parallel.tp == 1:
+        return
+    from ..parallel.tensor import apply_tensor_parallel
+
+    seq = cfg.model_config.seq_len // cfg.parallel.cp  # what attention sees on this rank
+    for m in setup.stages.values():
+        setup.tp_info = apply_tensor_parallel(m, mg.group("tp"),
+                                              sequence_parallel=cfg.sequence_parallel,
+                                              seq_len=seq)
 
 
 def _context_parallel(setup: RankSetup) -> None:
@@ -263,4 +294,4 @@ def _optimizer(setup: RankSetup) -> torch.optim.Optimizer:
     # on CUDA the fused kernel (one launch for all tensors), as a tuned training loop uses
     fused = setup.device.type == "cuda" and all(p.dtype == torch.float32 for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             **({"fused": True} if fused else {}))
+                             eps=cfg.adam_eps, **({"fused": True} if fused else {}))

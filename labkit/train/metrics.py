@@ -165,6 +165,8 @@ def comm_metrics(ctx, setup, step: int) -> dict:
         predicted["pp"] = _pp_predicted(setup)
     if cfg.parallel.cp > 1:
         predicted["cp"] = _cp_predicted(setup)
+    if cfg.parallel.tp > 1:
+        predicted["tp"] = _tp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,
             "comm_bytes_per_step": total,
@@ -200,6 +202,72 @@ def _dp_predicted(setup, elem: int) -> dict:
         out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", tied,
                                                                     mg.size("dp_cp"))
     return out
+
+
+def _tp_predicted(setup) -> dict:
+    """Tensor-parallel bytes this rank sends per step, by collective (Shoeybi et al. 2019
+    §3; Korthikanti et al. 2022 §4.2 with sequence parallelism), per microbatch:
+
+    * each block: two all-reduces of ``b·s·H`` forward and two backward, or with SP the
+      same volume as all-gathers and reduce-scatters
+      (:func:`labkit.parallel.tensor.measure.block_bytes_formula`), again for the forward a
+      recomputing checkpoint policy repeats; plus the all-reduce of the weight gradients held
+      whole on every tp rank (SP's norms; K/V when ``kv_heads < tp``);
+    * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
+      all-gathered back in backward); the head (last stage): its input's gradient
+      all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
+      fp32 (all-reduces).
+
+    ``s`` is the sequence this rank's attention sees (``S/cp``); activations are bf16 under
+    ``precision="bf16"``."""
+    from ..parallel.tensor.measure import block_bytes_formula, block_weight_grad_bytes
+
+    cfg = setup.cfg
+    mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
+    b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
+    act = 2 if cfg.precision == "bf16" else 4
+    wgt = 2 if (cfg.precision == "bf16" and setup.sharded) else 4
+    unit = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
+    blk = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    out: dict = {}
+
+    def add(op: str, n: float) -> None:
+        out[op] = out.get(op, 0.0) + n * cfg.accum_steps
+
+    if sp:
+        add("all_gather", layers * (blk["forward"] + blk["backward"]) / 2)
+        add("reduce_scatter", layers * (blk["forward"] + blk["backward"]) / 2)
+    else:
+        add("all_reduce", layers * (blk["forward"] + blk["backward"]))
+    if cfg.checkpoint != "none":
+        # torch's non-reentrant checkpoint stops recomputing once the last activation the
+        # block's backward saved is back: the MLP's output collective is not repeated,
+        # the attention's output and (SP) the two input all-gathers are
+        if sp:
+            add("all_gather", layers * 2 * unit)
+            add("reduce_scatter", layers * unit)
+        else:
+            add("all_reduce", layers * 2 * unit)
+    add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
+                                                       mc.kv_heads, sequence_parallel=sp,
+                                                       bytes_per_elem=wgt))
+    for m in setup.stages.values():
+        if m.is_first:
+            add("reduce_scatter", unit) if sp else add("all_reduce", 2 * unit)
+            if sp:
+                add("all_gather", unit)
+        if m.is_last:
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too
+                add("all_gather", unit)
+                add("reduce_scatter", unit)
+                add("all_reduce", ar(h * wgt))
+            else:
+                add("all_reduce", 2 * unit)
+            add("all_reduce", ar(3 * b * s * 4))
+    return {op: float(v) for op, v in out.items() if v}
 
 
 def _cp_predicted(setup) -> dict:
