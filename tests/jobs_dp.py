@@ -367,15 +367,19 @@ def gpt_sharded(ctx, cfg: dict) -> dict:
             ctx.cache[key] = DeviceMesh.from_group(ctx.group, "cpu", mesh_dim_names=("shard",))
         kw = {"mesh": ctx.cache[key]}
         if bf16:
+            # cast_forward_inputs=False: the blocks take the fp32 rotary tables as an
+            # input, which FSDP2 would otherwise round to bf16 (labkit keeps buffers fp32)
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.bfloat16)
+                                                   reduce_dtype=torch.bfloat16,
+                                                   cast_forward_inputs=False)
         for block in model.layers:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        wrapped, opt = model, torch.optim.AdamW(model.parameters(), lr=run.lr)
+        wrapped = model
+        opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
     else:
         wrapped = _sharded(model, dict(stage=cfg["stage"], mixed_precision=bf16), ctx.group)
-        opt = wrapped.optimizer(run.lr)
+        opt = wrapped.optimizer(run.lr, run.weight_decay)
     steps = []
     for s in range(run.steps):
         ctx.tracer.step = s
@@ -383,7 +387,8 @@ def gpt_sharded(ctx, cfg: dict) -> dict:
         loss = wrapped(x, y)
         loss.backward()
         if cfg["impl"] == "fsdp2":
-            grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+            grads = {n: p.grad.detach().full_tensor().float()
+                     for n, p in model.named_parameters()}
         else:
             wrapped.finish_gradient_sync()
             grads = wrapped.full_grads()
@@ -395,7 +400,7 @@ def gpt_sharded(ctx, cfg: dict) -> dict:
             wrapped.after_step()
             wrapped.zero_grad()
     if cfg["impl"] == "fsdp2":
-        params = {n: p.full_tensor().float() for n, p in model.named_parameters()}
+        params = {n: p.detach().full_tensor().float() for n, p in model.named_parameters()}
     else:
         params = dict(zip(wrapped.names, _split(wrapped)))
     return {"steps": steps, "params": params}
@@ -407,10 +412,12 @@ def _split(wrapped) -> list:
     return [grads[n] for n in wrapped.names]
 
 
-def gpt_bf16_reference(world: int) -> list:
-    """Single process, bf16-aware: per rank the gradients of the first step's batch under
-    the same bf16 weights the sharded runs start from (the fp32 weights rounded; buffers
-    such as the rotary tables stay fp32, as in the wrappers), ``[{name: fp32 grad}]``."""
+def gpt_bf16_reference(ctx, world: int) -> list:
+    """Job (one rank: the ranks' numerics, thread count included): the single-process,
+    bf16-aware reference. Per rank of a ``world``-rank run, the loss and gradients of the
+    first step's batch under the same bf16 weights the sharded runs start from (the fp32
+    weights rounded; buffers such as the rotary tables stay fp32, as in the wrappers):
+    ``[{"loss", "grads": {name: fp32 grad}}]``."""
     from labkit.models import build_model
     from labkit.train import local_batch
 
@@ -421,8 +428,10 @@ def gpt_bf16_reference(world: int) -> list:
     out = []
     for r in range(world):
         model.zero_grad(set_to_none=True)
-        model(*local_batch(run, 0, r, "cpu")).backward()
-        out.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
+        loss = model(*local_batch(run, 0, r, "cpu"))
+        loss.backward()
+        out.append({"loss": loss.item(),
+                    "grads": {n: p.grad.float().clone() for n, p in model.named_parameters()}})
     return out
 
 
