@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from labkit.parallel.dp import DataParallel, torch_ddp
@@ -159,7 +160,12 @@ class MLP(nn.Module):
         if partial:
             return ((self.out_scale * y) ** 2).mean()
         for i, layer in enumerate(self.layers):
-            x = layer(x)
+            if getattr(self, "recompute", False):  # the module call itself is recomputed,
+                # to its end (no early stop: its forward hooks run again too)
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
             if i < len(self.layers) - 1:
                 x = torch.tanh(x)
         return ((x * self.out_scale - y) ** 2).mean()
@@ -187,6 +193,7 @@ def mlp_reference(ranks: int, micro: int = 3, reduce_op: str = "avg",
 
 def _wrap_mlp(ctx, cfg: dict):
     model, kind = MLP(), cfg["wrapper"]
+    model.recompute = cfg.get("recompute", False)
     if kind in ("naive", "ddp"):
         return model, DataParallel(model, ctx.group, kind, bucket_mb=cfg.get("bucket_mb", 1e-3),
                                    reduce_op=cfg.get("reduce_op", "avg"))
@@ -444,3 +451,22 @@ def collective_sequence(trace, rank: int, ops=("all_reduce", "reduce_scatter", "
 
 def world_is(ctx, n: int) -> None:
     assert dist.get_world_size(ctx.group) == n
+
+
+# ------------------------------------------------------------------ recomputation inside FSDP
+def gpt_checkpointed(ctx, cfg: dict) -> dict:
+    """One step of the tiny GPT under labkit's ZeRO-``stage`` with the blocks checkpointed by
+    ``cfg["policy"]`` (recomputed in backward); returns the loss and gathered gradients."""
+    from labkit.models import build_model
+    from labkit.parallel.checkpoint_policy import apply_checkpoint_policy
+    from labkit.train import local_batch
+
+    run = _gpt_run().replace(dp=ctx.world_size)
+    model = build_model(run.model_config, device=ctx.device, seed=run.seed)
+    if cfg["policy"] != "none":
+        apply_checkpoint_policy(model, cfg["policy"])
+    wrapped = _sharded(model, dict(stage=cfg["stage"]), ctx.group)
+    loss = wrapped(*local_batch(run, 0, ctx.rank, ctx.device))
+    loss.backward()
+    wrapped.finish_gradient_sync()
+    return {"loss": loss.item(), "grads": wrapped.full_grads()}
