@@ -464,7 +464,7 @@ def gpt_checkpointed(ctx, cfg: dict) -> dict:
     run = _gpt_run().replace(dp=ctx.world_size)
     model = build_model(run.model_config, device=ctx.device, seed=run.seed)
     if cfg["policy"] != "none":
-        apply_checkpoint_policy(model, cfg["policy"])
+        apply_checkpoint_policy(model, cfg["policy"], cfg.get("every", 1))
     wrapped = _sharded(model, dict(stage=cfg["stage"]), ctx.group)
     loss = wrapped(*local_batch(run, 0, ctx.rank, ctx.device))
     loss.backward()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from jobs_dp import PATTERNS, collective_sequence, dense_experts_reference, mlp_reference
 
+import labkit
 from labkit.parallel.ordered import CollectiveProgram, OrderError, backward_program
 
 pytestmark = pytest.mark.distributed
@@ -303,3 +304,10 @@ def test_recomputed_module_calls_inside_the_wrapper(cluster2, wrapper, pattern):
         for name, g in ref.items():
             assert (o["grads"][name] - g).abs().max().item() < TOL, name
     _one_sequence(r, [0, 1])
+
+
+def test_zero3_refuses_multi_block_checkpoint_segments(cluster2):
+    """A 2-block checkpoint segment runs block 1 inside block 0's forward, unseen by its
+    hooks: ZeRO-3 says so instead of computing with ungathered parameters."""
+    with pytest.raises(labkit.RankError, match="2-block checkpoint segment"):
+        cluster2.run("jobs_dp:gpt_checkpointed", dict(stage=3, policy="every", every=2))

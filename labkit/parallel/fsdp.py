@@ -88,6 +88,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             canonical order (see :mod:`labkit.parallel.ordered`).
         RuntimeError: a unit's forward ran outside this wrapper's forward while it was
             not gathered.
+        ValueError: (in forward) a unit is part of a multi-block checkpoint segment.
     """
 
     def __init__(self, module: nn.Module, shard_group=None, replicate_group=None, *,
@@ -123,6 +124,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
 
     def forward(self, *args, **kwargs):
         self._tracer = current_tracer()
+        self._refuse_segments()
         self._drain()
         self._fw = CollectiveProgram([("ag", u) for u in self.units], self._issue,
                                      pull=[("ag", u) for u in self.units])
@@ -136,6 +138,19 @@ class FullyShardedDataParallel(ShardedDataParallel):
             if u not in self._fw_used:
                 self._reshard(u)
         return out
+
+    def _refuse_segments(self) -> None:
+        """A checkpoint segment of several blocks (``apply_checkpoint_policy(..., "every",
+        C > 1)``) runs the later blocks inside the first one's forward, where no hook of
+        theirs fires: their units would be used without being gathered."""
+        for u in self.units:
+            policy = u.module.__dict__.get("checkpoint_policy")
+            if policy and policy[1] > 1:
+                raise ValueError(
+                    f"FSDP unit {u.name!r} is part of a {policy[1]}-block checkpoint segment "
+                    f"(policy {policy[0]!r}): its parameters would be used without being "
+                    f"gathered. Use checkpoint policy 'full' or 'selective' (one block per "
+                    f"segment) with ZeRO-3, or make each segment one unit (units=...).")
 
     def finish_gradient_sync(self) -> None:
         super().finish_gradient_sync()
