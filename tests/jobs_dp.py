@@ -470,3 +470,19 @@ def gpt_checkpointed(ctx, cfg: dict) -> dict:
     loss.backward()
     wrapped.finish_gradient_sync()
     return {"loss": loss.item(), "grads": wrapped.full_grads()}
+
+
+# ------------------------------------------------------------------ unused parameters
+def unused_pattern(ctx, cfg: dict) -> dict:
+    """Two microbatches of ``jobs_for_tests.TwoHeads`` (``head_b`` never used) under
+    DataParallel ``cfg["mode"]``, synced per ``cfg["pattern"]``; returns the gradients."""
+    from jobs_for_tests import TwoHeads
+
+    torch.manual_seed(0)
+    model = DataParallel(TwoHeads(), ctx.group, mode=cfg["mode"], bucket_mb=1.0,
+                         find_unused=cfg["find_unused"])
+    for k, sync in enumerate(PATTERNS[cfg["pattern"]][1:]):
+        with (_null() if sync else model.no_sync()):
+            model(torch.full((2, 4), float(ctx.rank + 1 + k))).backward()
+    model.finish_gradient_sync()
+    return {n: p.grad.clone() for n, p in model.module.named_parameters()}

@@ -311,3 +311,19 @@ def test_zero3_refuses_multi_block_checkpoint_segments(cluster2):
     hooks: ZeRO-3 says so instead of computing with ungathered parameters."""
     with pytest.raises(labkit.RankError, match="2-block checkpoint segment"):
         cluster2.run("jobs_dp:gpt_checkpointed", dict(stage=3, policy="every", every=2))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "naive"])
+@pytest.mark.parametrize("pattern", ["none", "every", "mixed"])
+def test_unused_parameter_raises_under_every_pattern(cluster2, mode, pattern):
+    """A parameter no microbatch used is named (not hung, not silently zero) whether the
+    microbatches were synced or not; with find_unused it gets zeros and the rest the mean."""
+    with pytest.raises(labkit.RankError, match="head_b"):
+        cluster2.run("jobs_dp:unused_pattern", dict(mode=mode, find_unused=False,
+                                                     pattern=pattern), timeout_s=60)
+    out = cluster2.run("jobs_dp:unused_pattern", dict(mode=mode, find_unused=True,
+                                                      pattern=pattern), timeout_s=60).outputs
+    for o in out:
+        assert torch.equal(o["head_b.weight"], torch.zeros(1, 4))
+        for name in ("body.weight", "body.bias", "head_a.weight", "head_a.bias"):
+            assert torch.equal(o[name], out[0][name]) and o[name].abs().sum() > 0
