@@ -12,28 +12,22 @@ are FSDP's (Zhao et al. 2023, "PyTorch FSDP", §3.2–3.3, §4.1):
   transfer runs (gloo's worker thread) while this unit computes. A forward hook frees the
   unit (``flat``'s storage is resized to 0 — the saved views keep pointing at that same
   storage) and registers a tensor hook on the unit's output.
-* **One order on every rank** (:mod:`labkit.parallel.ordered`). The forward's all-gathers
-  go out in the unit list's order: a unit needed early first issues the units before it
-  (a rank whose forward visits the units in another order gathers them sooner, never in
-  another order), and units the forward never used are gathered and freed when it ends.
-  The backward is one program (:func:`~labkit.parallel.ordered.backward_program`): gathers
-  root first, then the blocks last to first; each block's reduce-scatter right after the
-  next gather. Ranks whose backward orders differ by adjacent units get the same sequence;
-  wider differences raise :class:`~labkit.parallel.ordered.OrderError`.
+* **One order on every rank** (:mod:`labkit.parallel.ordered`). Forward all-gathers go out
+  in unit-list order: a unit needed early first issues those before it, and units a forward
+  skipped are gathered and freed at its end. Backward is one program
+  (:func:`~labkit.parallel.ordered.backward_program`): root, then the blocks last to first,
+  each block's reduce-scatter right after the next gather. Ranks whose orders differ by
+  adjacent units get the same sequence; wider differences raise ``OrderError``.
 * **Turn.** The root unit (embedding, final norm, head: it finishes forward last) stays
-  gathered into backward when ``keep_last`` (FSDP2 does the same for its root), which
-  skips one all-gather of the root.
-* **Backward.** The output's tensor hook fires when the gradient reaching the unit is
-  ready, i.e. just before its backward: the hook re-gathers ``flat`` *into the same
-  storage*, so the activations autograd saved (views of ``flat``) are valid again —
-  writes go through ``flat.data``, which has its own version counter, so autograd's saved-
-  tensor check is not tripped. With ``prefetch`` it issues the next all-gather of the
-  backward program. When the unit's
-  backward is complete, autograd accumulates ``flat.grad`` once and ``flat``'s
-  post-accumulate-grad hook reduce-scatters it (mean, async; in its turn) into the rank's
-  gradient shard and frees the parameters; ``flat.grad`` is dropped when the reduce-scatter
-  completes. Activation checkpointing's recomputation runs a unit's forward again inside
-  backward; the hooks then only re-install the views of the already gathered unit.
+  gathered into backward when ``keep_last`` (as FSDP2's root), saving one all-gather.
+* **Backward.** The output's tensor hook fires just before the unit's backward and
+  re-gathers ``flat`` *into the same storage*, so the activations autograd saved (views of
+  ``flat``) are valid again — writes go through ``flat.data``, whose own version counter
+  keeps autograd's saved-tensor check quiet; with ``prefetch`` it issues the program's next
+  gather. When the unit's backward is complete, ``flat``'s post-accumulate-grad hook
+  reduce-scatters ``flat.grad`` (mean, async, in its turn) into the gradient shard and frees
+  the parameters; ``flat.grad`` is dropped when the reduce-scatter completes. A recomputed
+  unit (activation checkpointing) runs its hooks inside backward: they only re-install views.
 * **HSDP.** With a replicate group (``M`` replicas of ``K`` shards) the gradient shards are
   all-reduced across replicas after the reduce-scatters: FSDP inside, DP across.
 
@@ -57,6 +51,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from ..trace import COMPUTE, Event, current_tracer
@@ -140,17 +135,15 @@ class FullyShardedDataParallel(ShardedDataParallel):
         return out
 
     def _refuse_segments(self) -> None:
-        """A checkpoint segment of several blocks (``apply_checkpoint_policy(..., "every",
-        C > 1)``) runs the later blocks inside the first one's forward, where no hook of
-        theirs fires: their units would be used without being gathered."""
+        """A multi-block checkpoint segment runs its later blocks inside the first one's
+        forward, where their hooks never fire: they would compute ungathered."""
         for u in self.units:
             policy = u.module.__dict__.get("checkpoint_policy")
             if policy and policy[1] > 1:
                 raise ValueError(
                     f"FSDP unit {u.name!r} is part of a {policy[1]}-block checkpoint segment "
-                    f"(policy {policy[0]!r}): its parameters would be used without being "
-                    f"gathered. Use checkpoint policy 'full' or 'selective' (one block per "
-                    f"segment) with ZeRO-3, or make each segment one unit (units=...).")
+                    f"(policy {policy[0]!r}); use policy 'full' or 'selective' with ZeRO-3, "
+                    f"or make each segment one unit (units=...)")
 
     def finish_gradient_sync(self) -> None:
         super().finish_gradient_sync()
@@ -204,15 +197,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
             self._reshard(u)
             u.bw_started = False
 
-    def _prefetch_after(self, program: CollectiveProgram, u: FlatUnit) -> None:
-        """Issue the next all-gather of ``program`` after ``u``'s (never waiting)."""
-        ops = program.ops
-        for op in ops[ops.index(("ag", u)) + 1:]:
-            if op[0] == "ag":
-                if not program.issued(op):
-                    program.pull(op, force=False)
-                return
-
     # -- the six steps -------------------------------------------------------------------
     def _pre_forward_hook(self, u: FlatUnit):
         def hook(module, args):
@@ -229,7 +213,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             self._wait(u, "forward")
             u.install_views()
             if self.prefetch:
-                self._prefetch_after(self._fw, u)
+                self._fw.prefetch_after(("ag", u))
             u.t_compute = _now()
         return hook
 
@@ -243,8 +227,8 @@ class FullyShardedDataParallel(ShardedDataParallel):
                 self._reshard(u)
             if grad:
                 u.bw_started = False
-                for t in _tensors(output):
-                    if t.requires_grad:
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook(u))
         return hook
 
@@ -261,7 +245,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         program.pull(("ag", u))
         self._wait(u, "backward")
         if self.prefetch:
-            self._prefetch_after(program, u)
+            program.prefetch_after(("ag", u))
         u.t_compute = _now()
 
     def _post_backward(self, u: FlatUnit) -> None:
@@ -300,17 +284,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
             u.flat.untyped_storage().resize_(0)
             u.gathered = False
             self.gathered_bytes -= u.padded * self._elem
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
 
 
 def _now() -> float:

@@ -105,6 +105,14 @@ class CollectiveProgram:
         self._advance()
         return True
 
+    def prefetch_after(self, key) -> None:
+        """Issue the next pull operation after ``key`` if nothing unready stands before it."""
+        for op in self.ops[self._pos[key] + 1:]:
+            if op in self._pull:
+                if not self.issued(op):
+                    self.pull(op, force=False)
+                return
+
     def flush(self) -> None:
         """Issue every remaining operation in order, ready or not (the end of a round:
         ``issue`` sends what there is, e.g. zeros for a gradient that never came)."""
