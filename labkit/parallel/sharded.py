@@ -29,7 +29,7 @@ from .. import comm
 from ..trace import current_tracer, use_tracer
 from .dp import check_reduce_op, ignored_ids, unique_parameters
 from .flat import FlatUnit, build_units
-from .ordered import CollectiveProgram, at_end_of_backward, grad_stamp, same_stamp
+from .ordered import CollectiveProgram, at_end_of_backward, grad_stamp
 
 __all__ = ["ShardedDataParallel"]
 
@@ -123,8 +123,7 @@ class ShardedDataParallel(nn.Module):
         for u in todo:
             self._reduce_scatter(u)
         self._drain()
-        if self.stage == 1:
-            self._install_stage1_results()
+        self._install_results()
         grads = [self._step_grad(u) for u in self.units]
         if self.replicate_group is not None:
             hs = [comm.all_reduce(g, op=self.reduce_op, group=self.replicate_group,
@@ -184,9 +183,8 @@ class ShardedDataParallel(nn.Module):
         return u.grad_shard
 
     def _unsent(self, u: FlatUnit) -> bool:
-        """Does ``u`` hold gradient that no reduce-scatter of this step has carried?"""
-        if self.stage == 1:
-            return not u.reduced or not same_stamp(u.stamp, u.flat.grad)
+        """Does ``u`` hold gradient that no reduce-scatter of this step has carried? (Stages
+        2–3 drop ``flat.grad`` once it is sent, so any left is new.)"""
         return not u.reduced or u.flat.grad is not None
 
     def _hook(self, u: FlatUnit):
@@ -243,8 +241,7 @@ class ShardedDataParallel(nn.Module):
             out = torch.empty(u.k, dtype=g.dtype, device=g.device)
         else:
             out = u.grad_shard
-        if self.stage == 1:
-            u.stamp = grad_stamp(u.flat.grad)
+        u.stamp = grad_stamp(u.flat.grad)
         h = comm.reduce_scatter(out, g, op=self.reduce_op, group=self.shard_group,
                                 axis=self.axis, async_op=True, unit=u.name, mesh_dim="shard")
         u.fresh, u.reduced, self._synced = False, True, False
@@ -260,24 +257,14 @@ class ShardedDataParallel(nn.Module):
         u, h, out, g = rec
         h.wait()
         self.inflight_grad_bytes -= comm.nbytes(g)
-        if self.stage == 1:  # the latest send wins: it carried the whole accumulation
-            u.result = out
-            return
         if out is not u.grad_shard:
             u.grad_shard.add_(out)
         if u.flat.grad is g:
             u.flat.grad = None  # the unit's full gradient is gone (stage 2/3)
 
-    def _install_stage1_results(self) -> None:
-        """Stage 1: write each mean shard into this rank's chunk of the full gradient."""
-        for u in self.units:
-            if u.flat.grad is None:
-                u.flat.grad = torch.zeros(u.padded, dtype=self.param_dtype,
-                                          device=u.shard.device)
-            chunk = u.flat.grad[u.lo:u.hi]
-            chunk.copy_(u.result)
-            u.shard.grad, u.result = chunk, None
-            u.stamp = grad_stamp(u.flat.grad)  # what a repeated call would find unchanged
+    def _install_results(self) -> None:
+        """After the last reduce-scatter: put the results where ``_step_grad`` reads them
+        (stages 2–3: already in the gradient shards)."""
 
     def _drain(self) -> None:
         while self._pending:

@@ -40,11 +40,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 from torch import nn
 
 from .. import comm
 from ..trace import current_tracer
 from .flat import FlatUnit
+from .ordered import grad_stamp, same_stamp
 from .sharded import ShardedDataParallel  # re-exported
 
 __all__ = ["FlatUnit", "ShardedDataParallel", "ZeroDataParallel"]
@@ -94,6 +96,33 @@ class ZeroDataParallel(ShardedDataParallel):
               for u in self.units]
         for h in hs:
             h.wait()
+
+    # -- stage 1 keeps the full gradient: each send carries the whole local accumulation --
+    def _unsent(self, u: FlatUnit) -> bool:
+        if self.stage != 1:
+            return super()._unsent(u)
+        return not u.reduced or not same_stamp(u.stamp, u.flat.grad)
+
+    def _complete(self, rec) -> None:
+        if self.stage != 1:
+            return super()._complete(rec)
+        u, h, out, g = rec
+        h.wait()
+        self.inflight_grad_bytes -= comm.nbytes(g)
+        u.result = out  # the latest send wins; never into flat.grad, still accumulating
+
+    def _install_results(self) -> None:
+        """Stage 1: write each mean shard into this rank's chunk of the full gradient."""
+        if self.stage != 1:
+            return
+        for u in self.units:
+            if u.flat.grad is None:
+                u.flat.grad = torch.zeros(u.padded, dtype=self.param_dtype,
+                                          device=u.shard.device)
+            chunk = u.flat.grad[u.lo:u.hi]
+            chunk.copy_(u.result)
+            u.shard.grad, u.result = chunk, None
+            u.stamp = grad_stamp(u.flat.grad)  # what a repeated call would find unchanged
 
     def _step_grad(self, u: FlatUnit):
         """Stage 1: this rank's chunk of the full gradient, where the mean shard was written."""
