@@ -259,7 +259,7 @@ class DataParallel(nn.Module):
         self._synced = [grad_stamp(p.grad) for _, p in self.params]
 
     def _refuse_repeat(self) -> None:
-        if self._synced is not None and all(
+        if self.params and self._synced is not None and all(
                 same_stamp(s, p.grad) for s, (_, p) in zip(self._synced, self.params)):
             raise RuntimeError(
                 "data parallel: finish_gradient_sync() again on the gradients the previous "
