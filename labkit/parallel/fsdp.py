@@ -12,18 +12,22 @@ are FSDP's (Zhao et al. 2023, "PyTorch FSDP", §3.2–3.3, §4.1):
   transfer runs (gloo's worker thread) while this unit computes. A forward hook frees the
   unit (``flat``'s storage is resized to 0 — the saved views keep pointing at that same
   storage) and registers a tensor hook on the unit's output.
+* **One order on every rank** (:mod:`labkit.parallel.ordered`). Forward all-gathers go out
+  in unit-list order: a unit needed early first issues those before it, and units a forward
+  skipped are gathered and freed at its end. Backward is one program
+  (:func:`~labkit.parallel.ordered.backward_program`): root, then the blocks last to first,
+  each block's reduce-scatter right after the next gather. Ranks whose orders differ by
+  adjacent units get the same sequence; wider differences raise ``OrderError``.
 * **Turn.** The root unit (embedding, final norm, head: it finishes forward last) stays
-  gathered into backward when ``keep_last`` (FSDP2 does the same for its root), which
-  skips one all-gather of the root.
-* **Backward.** The output's tensor hook fires when the gradient reaching the unit is
-  ready, i.e. just before its backward: the hook re-gathers ``flat`` *into the same
-  storage*, so the activations autograd saved (views of ``flat``) are valid again —
-  writes go through ``flat.data``, which has its own version counter, so autograd's saved-
-  tensor check is not tripped. With ``prefetch`` it issues the all-gather of the unit whose
-  backward comes next (reverse order of the forward hooks of this step). When the unit's
-  backward is complete, autograd accumulates ``flat.grad`` once and ``flat``'s
-  post-accumulate-grad hook reduce-scatters it (mean, async) into the rank's gradient shard
-  and frees the parameters; ``flat.grad`` is dropped when the reduce-scatter completes.
+  gathered into backward when ``keep_last`` (as FSDP2's root), saving one all-gather.
+* **Backward.** The output's tensor hook fires just before the unit's backward and
+  re-gathers ``flat`` *into the same storage*, so the activations autograd saved (views of
+  ``flat``) are valid again — writes go through ``flat.data``, whose own version counter
+  keeps autograd's saved-tensor check quiet; with ``prefetch`` it issues the program's next
+  gather. When the unit's backward is complete, ``flat``'s post-accumulate-grad hook
+  reduce-scatters ``flat.grad`` (mean, async, in its turn) into the gradient shard and frees
+  the parameters; ``flat.grad`` is dropped when the reduce-scatter completes. A recomputed
+  unit (activation checkpointing) runs its hooks inside backward: they only re-install views.
 * **HSDP.** With a replicate group (``M`` replicas of ``K`` shards) the gradient shards are
   all-reduced across replicas after the reduce-scatters: FSDP inside, DP across.
 
@@ -42,15 +46,19 @@ then), so the fraction of all-gather time hidden under compute is
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from ..trace import COMPUTE, Event, current_tracer
-from .flat import FlatUnit, ShardedDataParallel
+from .flat import FlatUnit
+from .hsdp import hsdp_groups  # re-exported
+from .ordered import CollectiveProgram, backward_program
+from .sharded import ShardedDataParallel
 
 __all__ = ["FullyShardedDataParallel", "hsdp_groups"]
 
@@ -64,24 +72,37 @@ class FullyShardedDataParallel(ShardedDataParallel):
         prefetch: issue the next unit's all-gather before computing the current one.
         keep_last: keep the root unit gathered across the forward→backward turn.
         mixed_precision: bf16 parameters, gradients and traffic; fp32 master shards.
+        reduce_op, ignored_params, max_inflight, axis: see
+            :class:`~labkit.parallel.sharded.ShardedDataParallel`.
 
     Per step: ``forward``/``backward``, ``finish_gradient_sync()``, ``optimizer.step()``,
     ``after_step()``, ``zero_grad()`` (see :class:`ShardedDataParallel`).
+
+    Raises:
+        OrderError: (in backward) this rank's backward order is not servable in the
+            canonical order (see :mod:`labkit.parallel.ordered`).
+        RuntimeError: a unit's forward ran outside this wrapper's forward while it was
+            not gathered.
+        ValueError: (in forward) a unit is part of a multi-block checkpoint segment.
     """
 
     def __init__(self, module: nn.Module, shard_group=None, replicate_group=None, *,
                  prefetch: bool = True, keep_last: bool = True,
                  mixed_precision: bool = False, units: Optional[Sequence[nn.Module]] = None,
-                 max_inflight: int = 1, axis: str = "dp"):
+                 max_inflight: int = 1, axis: str = "dp", reduce_op: str = "avg",
+                 ignored_params: Iterable = ()):
         super().__init__(module, shard_group, replicate_group, stage=3,
                          mixed_precision=mixed_precision, units=units,
-                         max_inflight=max_inflight, axis=axis)
+                         max_inflight=max_inflight, axis=axis, reduce_op=reduce_op,
+                         ignored_params=ignored_params)
         self.prefetch, self.keep_last = prefetch, keep_last
+        self.reduce_in_backward = True
         self.gathered_bytes = self.max_gathered_bytes = 0
-        self._fw_order = list(self.units)   # registration order until a forward ran
-        self._fw_now: list = []
-        self._post_order: list = []
-        self._bw_order: Optional[list] = None
+        self._fw: Optional[CollectiveProgram] = None   # the forward now running
+        self._fw_used: set = set()
+        root = self.root
+        self.gather_order = ([root] if root is not None else []) + [
+            u for u in reversed(self.units) if u is not root]
         self._elem = torch.tensor([], dtype=self.param_dtype).element_size()
         for u in self.units:
             u.module.register_forward_pre_hook(self._pre_forward_hook(u))
@@ -98,12 +119,31 @@ class FullyShardedDataParallel(ShardedDataParallel):
 
     def forward(self, *args, **kwargs):
         self._tracer = current_tracer()
+        self._refuse_segments()
         self._drain()
-        self._fw_now, self._post_order, self._bw_order = [], [], None
-        out = self.module(*args, **kwargs)
-        if self._fw_now:
-            self._fw_order = self._fw_now
+        self._fw = CollectiveProgram([("ag", u) for u in self.units], self._issue,
+                                     pull=[("ag", u) for u in self.units])
+        self._fw_used = set()
+        try:
+            out = self.module(*args, **kwargs)
+            self._fw.flush()  # units this forward skipped: another rank's may have used them
+        finally:
+            self._fw = None
+        for u in self.units:
+            if u not in self._fw_used:
+                self._reshard(u)
         return out
+
+    def _refuse_segments(self) -> None:
+        """A multi-block checkpoint segment runs its later blocks inside the first one's
+        forward, where their hooks never fire: they would compute ungathered."""
+        for u in self.units:
+            policy = u.module.__dict__.get("checkpoint_policy")
+            if policy and policy[1] > 1:
+                raise ValueError(
+                    f"FSDP unit {u.name!r} is part of a {policy[1]}-block checkpoint segment "
+                    f"(policy {policy[0]!r}); use policy 'full' or 'selective' with ZeRO-3, "
+                    f"or make each segment one unit (units=...)")
 
     def finish_gradient_sync(self) -> None:
         super().finish_gradient_sync()
@@ -119,31 +159,76 @@ class FullyShardedDataParallel(ShardedDataParallel):
                 for u in self.units:
                     u.shard.copy_(u.master)
 
+    # -- the canonical order ---------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only gather: each unit's full gradient accumulates in
+        ``flat.grad`` (memory: the unsharded gradient, as FSDP2's
+        ``set_requires_gradient_sync(False)``) until a synced backward or
+        ``finish_gradient_sync`` reduce-scatters it. (``require_sync``, which the ZeRO jobs
+        set per microbatch, is ignored at stage 3, as at stage 2.)"""
+        old, self.reduce_in_backward = self.reduce_in_backward, False
+        try:
+            yield
+        finally:
+            self.reduce_in_backward = old
+
+    def _syncs(self) -> bool:
+        return self.reduce_in_backward
+
+    def _round_ops(self) -> list:
+        if not self._syncs():
+            return [("ag", u) for u in self.gather_order]
+        return backward_program(self.gather_order, self.reduce_order)
+
+    def _round_pulls(self) -> list:
+        return [("ag", u) for u in self.units]
+
+    def _issue(self, op) -> None:
+        kind, u = op
+        if kind == "rs":
+            self._reduce_scatter(u)
+        else:
+            self._gather(u, "forward" if self._fw is not None else "backward")
+
+    def _end_round(self) -> None:
+        super()._end_round()  # units the backward never needed were gathered: free them
+        for u in self.units:
+            self._reshard(u)
+            u.bw_started = False
+
     # -- the six steps -------------------------------------------------------------------
     def _pre_forward_hook(self, u: FlatUnit):
         def hook(module, args):
-            self._fw_now.append(u)
-            self._gather(u, "forward")
+            if self._fw is None:  # recomputation inside backward, or a stray call
+                if not (u.gathered or u.handle is not None):
+                    raise RuntimeError(
+                        f"FSDP unit {u.name!r} ran outside the wrapper's forward while its "
+                        f"parameters were sharded; call the wrapper, not the inner module")
+                self._wait(u, "recompute")
+                u.install_views()
+                return
+            self._fw_used.add(u)
+            self._fw.pull(("ag", u))
             self._wait(u, "forward")
             u.install_views()
             if self.prefetch:
-                nxt = _after(self._fw_order, u)
-                if nxt is not None:
-                    self._gather(nxt, "forward")
+                self._fw.prefetch_after(("ag", u))
             u.t_compute = _now()
         return hook
 
     def _post_forward_hook(self, u: FlatUnit):
         def hook(module, args, output):
+            if self._fw is None:
+                return  # recomputation: the unit stays gathered for its backward
             _span(f"{u.name}.forward", u.t_compute, u.name)
-            self._post_order.append(u)
             grad = torch.is_grad_enabled()
             if not (grad and self.keep_last and u is self.root):
                 self._reshard(u)
             if grad:
                 u.bw_started = False
-                for t in _tensors(output):
-                    if t.requires_grad:
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook(u))
         return hook
 
@@ -156,26 +241,25 @@ class FullyShardedDataParallel(ShardedDataParallel):
         if u.bw_started:
             return
         u.bw_started = True
-        if self._bw_order is None:
-            self._bw_order = list(reversed(self._post_order))
-        self._gather(u, "backward")
+        program = self._begin_round()
+        program.pull(("ag", u))
         self._wait(u, "backward")
         if self.prefetch:
-            nxt = _after(self._bw_order, u)
-            if nxt is not None:
-                self._gather(nxt, "backward")
+            program.prefetch_after(("ag", u))
         u.t_compute = _now()
 
     def _post_backward(self, u: FlatUnit) -> None:
         _span(f"{u.name}.backward", u.t_compute, u.name)
-        self._reduce_scatter(u)
+        program = self._begin_round()
+        if ("rs", u) in program:
+            program.mark_ready(("rs", u))
         self._reshard(u)
         u.bw_started = False
 
     # -- gather / free ---------------------------------------------------------------------
     def _gather(self, u: FlatUnit, phase: str) -> None:
         if u.gathered or u.handle is not None:
-            return
+            return  # the root kept from forward (keep_last): the same on every rank
         t0 = _now()
         u.flat.untyped_storage().resize_(u.padded * self._elem)
         u.handle = comm.all_gather(u.flat.data, u.shard.detach(), group=self.shard_group,
@@ -200,76 +284,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
             u.flat.untyped_storage().resize_(0)
             u.gathered = False
             self.gathered_bytes -= u.padded * self._elem
-
-
-def hsdp_groups(group, replicas: int, cache: Optional[dict] = None):
-    """``(shard_group, replicate_group)`` of an ``M = replicas`` × ``K`` mesh over ``group``.
-
-    Group ranks ``[g·K, (g+1)·K)`` form shard group ``g``; ranks with equal index inside
-    their shard group form a replicate group. ``replicas == 1`` gives ``(group, None)``.
-    Groups are cached in ``cache`` keyed by their rank tuples.
-
-    When ``group`` spans the whole world, every rank creates every group in the same order
-    (shard groups, then replicate groups), as ``new_group`` requires. On a job that uses
-    only part of a cluster the idle ranks cannot join, so the groups are created with
-    ``use_local_synchronization``; torch names those by the ranks *and* the number of
-    groups each member already belongs to (``_hash_ranks_to_str``), so members must agree
-    on that count — checked first, since a mismatch would hang.
-
-    Raises:
-        ValueError: ``replicas`` does not divide the group size.
-        RuntimeError: a partial-cluster job whose ranks belong to different numbers of
-            process groups (run HSDP on a cluster whose world size is the job's ranks).
-    """
-    ranks = comm.group_ranks(group)
-    n = len(ranks)
-    if replicas < 1 or n % replicas:
-        raise ValueError(f"hsdp_replicas={replicas} does not divide the {n} ranks of the group")
-    if replicas == 1:
-        return group, None
-    k = n // replicas
-    g, i = divmod(ranks.index(dist.get_rank()), k)
-    shards = [tuple(ranks[j * k:(j + 1) * k]) for j in range(replicas)]
-    repls = [tuple(ranks[j::k]) for j in range(k)]
-    cache = {} if cache is None else cache
-    key = ("hsdp-groups", ranks, replicas)
-    if key not in cache:
-        if n == dist.get_world_size():
-            made = {rs: dist.new_group(list(rs)) for rs in shards + repls}
-        else:
-            from torch.distributed import distributed_c10d as c10d
-            mine = torch.tensor([float(len(c10d._world.pg_names))])
-            seen = torch.empty(n)
-            comm.all_gather(seen, mine, group=group)
-            if len(set(seen.tolist())) > 1:
-                raise RuntimeError(
-                    f"HSDP on {n} of the cluster's {dist.get_world_size()} ranks: the job's "
-                    f"ranks belong to different numbers of process groups "
-                    f"({seen.int().tolist()}), so torch would give their local sub-groups "
-                    f"different names and hang. Use a cluster with world_size={n}.")
-            made = {rs: dist.new_group(list(rs), use_local_synchronization=True)
-                    for rs in (shards[g], repls[i])}
-        cache[key] = made
-    made = cache[key]
-    return made[shards[g]], made[repls[i]]
-
-
-def _after(order: list, u) -> Optional[FlatUnit]:
-    for i, x in enumerate(order):
-        if x is u:
-            return order[i + 1] if i + 1 < len(order) else None
-    return None
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
 
 
 def _now() -> float:

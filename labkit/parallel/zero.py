@@ -18,8 +18,10 @@ contiguous ``k = P/K`` element shard; AdamW sees only the shards.
 
 * **Stage 1**: ``flat`` is the replicated parameter (``nn.Parameter``, 4Ψ), the shard a view
   of it. Full gradients accumulate in ``flat.grad`` (4Ψ). In the last microbatch's backward
-  each unit's gradient is reduce-scattered (mean) as soon as it is ready, into this rank's
-  chunk of ``flat.grad``; after the optimizer step the shards are all-gathered into ``flat``.
+  each unit's gradient is reduce-scattered (mean) as soon as it and the units before it in
+  the canonical order are ready; ``finish_gradient_sync`` writes the mean shard into this
+  rank's chunk of ``flat.grad``; after the optimizer step the shards are all-gathered into
+  ``flat``.
 * **Stage 2**: as stage 1, but the reduce-scattered shard goes to a persistent ``Ψ/K``
   gradient buffer and ``flat.grad`` is dropped as soon as its reduce-scatter completes
   (at most ``max_inflight`` units' gradients exist at once), so a full gradient vector never
@@ -43,7 +45,9 @@ from torch import nn
 
 from .. import comm
 from ..trace import current_tracer
-from .flat import FlatUnit, ShardedDataParallel  # re-exported
+from .flat import FlatUnit
+from .ordered import grad_stamp, same_stamp
+from .sharded import ShardedDataParallel  # re-exported
 
 __all__ = ["FlatUnit", "ShardedDataParallel", "ZeroDataParallel"]
 
@@ -51,7 +55,7 @@ __all__ = ["FlatUnit", "ShardedDataParallel", "ZeroDataParallel"]
 class ZeroDataParallel(ShardedDataParallel):
     """ZeRO stage 1 or 2 (see the module docstring); ``stage`` defaults to 2.
 
-    Args and per-step use: see :class:`labkit.parallel.flat.ShardedDataParallel`.
+    Args and per-step use: see :class:`labkit.parallel.sharded.ShardedDataParallel`.
 
     Raises:
         ValueError: ``stage`` not 1 or 2 (stage 3 is
@@ -93,21 +97,33 @@ class ZeroDataParallel(ShardedDataParallel):
         for h in hs:
             h.wait()
 
-    # -- stage 1 keeps the full gradient ``flat.grad`` and syncs only when asked ----------
-    def _post_backward(self, u: FlatUnit) -> None:
-        if self.stage == 1 and not self.require_sync:
-            return
-        self._reduce_scatter(u)
+    # -- stage 1 keeps the full gradient: each send carries the whole local accumulation --
+    def _unsent(self, u: FlatUnit) -> bool:
+        if self.stage != 1:
+            return super()._unsent(u)
+        return not u.reduced or not same_stamp(u.stamp, u.flat.grad)
 
     def _complete(self, rec) -> None:
         if self.stage != 1:
             return super()._complete(rec)
-        u, h, out = rec
+        u, h, out, g = rec
         h.wait()
-        self.inflight_grad_bytes -= comm.nbytes(u.flat.grad)
-        chunk = u.flat.grad[u.lo:u.hi]  # the mean shard, in place in the full gradient
-        chunk.copy_(out)
-        u.shard.grad = chunk
+        self.inflight_grad_bytes -= comm.nbytes(g)
+        u.result = out  # the latest send wins; never into flat.grad, still accumulating
 
-    def _step_grad(self, u: FlatUnit) -> torch.Tensor:
+    def _install_results(self) -> None:
+        """Stage 1: write each mean shard into this rank's chunk of the full gradient."""
+        if self.stage != 1:
+            return
+        for u in self.units:
+            if u.flat.grad is None:
+                u.flat.grad = torch.zeros(u.padded, dtype=self.param_dtype,
+                                          device=u.shard.device)
+            chunk = u.flat.grad[u.lo:u.hi]
+            chunk.copy_(u.result)
+            u.shard.grad, u.result = chunk, None
+            u.stamp = grad_stamp(u.flat.grad)  # what a repeated call would find unchanged
+
+    def _step_grad(self, u: FlatUnit):
+        """Stage 1: this rank's chunk of the full gradient, where the mean shard was written."""
         return u.flat.grad[u.lo:u.hi] if self.stage == 1 else u.grad_shard
