@@ -153,6 +153,10 @@ class ShardedDataParallel(nn.Module):
         ``unique_parameters`` order: comparable to ``labkit.train.flat_params``."""
         return self._gather_named(lambda u: u.master.detach())
 
+    def full_state_dict(self) -> dict:
+        """``{name: full fp32 parameter}`` (gathered masters; for parity checks)."""
+        return self._gather_named(lambda u: u.master.detach(), as_dict=True)
+
     def full_grads(self) -> dict:
         """``{name: mean gradient}`` after ``finish_gradient_sync`` (gathered; for tests)."""
         return self._gather_named(lambda u: self._step_grad(u).float(), as_dict=True)

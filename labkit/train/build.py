@@ -216,11 +216,15 @@ def _data_parallel(setup: RankSetup) -> None:
         return
     group = mg.group("dp_cp")
     if cfg.zero_stage == 0:
+        seen: set = set()  # a parameter two local stages share (ZB-V's tied ends): once
         for s, m in setup.stages.items():
             if cfg.impl == "torch":
                 w = torch_ddp(m, group, cfg.bucket_mb, cfg.find_unused)
             else:
-                w = DataParallel(m, group, cfg.dp_mode, cfg.bucket_mb, cfg.find_unused)
+                w = DataParallel(m, group, cfg.dp_mode, cfg.bucket_mb, cfg.find_unused,
+                                 reduce_op="sum",
+                                 ignored_params=[p for p in m.parameters() if id(p) in seen])
+            seen |= {id(p) for p in m.parameters()}
             setup.wrappers.append(w)
             setup.forward[s] = w
         return
@@ -235,7 +239,7 @@ def _data_parallel(setup: RankSetup) -> None:
     mixed = cfg.precision == "bf16"
     tied = setup.tied.param if setup.tied is not None else None
     for s, m in setup.stages.items():
-        kw = dict(mixed_precision=mixed)
+        kw = dict(mixed_precision=mixed, reduce_op="sum")
         if tied is not None and any(p is tied for p in m.parameters()):
             kw["ignored_params"] = [tied]
         if cfg.zero_stage == 3:
@@ -250,7 +254,7 @@ def _data_parallel(setup: RankSetup) -> None:
         setup.sharded.append(w)
         setup.forward[s] = w
         if "ignored_params" in kw:  # the tied copy: replicated, summed by a DDP wrapper
-            setup.wrappers.append(DataParallel(_Holder(tied), group, "naive"))
+            setup.wrappers.append(DataParallel(_Holder(tied), group, "naive", reduce_op="sum"))
 
 
 class _Holder(nn.Module):

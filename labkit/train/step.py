@@ -23,10 +23,11 @@ __all__ = ["make_step", "grad_scale"]
 
 def grad_scale(setup: RankSetup) -> float:
     """What each microbatch's token-loss sum is multiplied by before backward:
-    ``1 / tokens_per_step``, times the data ranks when the wrappers average (their
-    reduction divides by the group size again)."""
+    ``1 / tokens_per_step``. labkit's wrappers then sum over the data ranks; PyTorch's DDP
+    and FSDP2 average, so for them it is multiplied by the data ranks, which their
+    reduction divides out again."""
     cfg = setup.cfg
-    n = setup.mg.size("dp_cp") if setup.wrappers or cfg.impl == "torch" else 1
+    n = setup.mg.size("dp_cp") if cfg.impl == "torch" else 1
     return n / (cfg.global_batch * tokens_per_sample(cfg))
 
 
@@ -99,7 +100,6 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
                 total += executor.run(x[sl], y[sl], scale, f)
         mark("flushes")
         finish(s, mark)
-        n = setup.mg.size("dp_cp") if setup.wrappers or cfg.impl == "torch" else 1
-        return total / n
+        return total / (scale * cfg.global_batch * tokens_per_sample(cfg))
 
     return step_pipeline if executor is not None else step_plain
