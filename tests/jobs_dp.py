@@ -360,7 +360,7 @@ def gpt_sharded(ctx, cfg: dict) -> dict:
     (``impl="labkit"``) or FSDP2 ``fully_shard`` (``impl="fsdp2"``), ``bf16`` or fp32.
     Returns per step the loss and the gathered gradients, and the final parameters."""
     from labkit.models import build_model
-    from labkit.train import local_batch
+    from labkit.train import rank_batch as local_batch
 
     run = _gpt_run().replace(dp=ctx.world_size)
     model = build_model(run.model_config, device=ctx.device, seed=run.seed)
@@ -426,7 +426,7 @@ def gpt_bf16_reference(ctx, world: int) -> list:
     weights rounded; buffers such as the rotary tables stay fp32, as in the wrappers):
     ``[{"loss", "grads": {name: fp32 grad}}]``."""
     from labkit.models import build_model
-    from labkit.train import local_batch
+    from labkit.train import rank_batch as local_batch
 
     run = _gpt_run().replace(dp=world)
     model = build_model(run.model_config, seed=run.seed)
@@ -458,8 +458,8 @@ def gpt_checkpointed(ctx, cfg: dict) -> dict:
     """One step of the tiny GPT under labkit's ZeRO-``stage`` with the blocks checkpointed by
     ``cfg["policy"]`` (recomputed in backward); returns the loss and gathered gradients."""
     from labkit.models import build_model
-    from labkit.parallel.checkpoint_policy import apply_checkpoint_policy
-    from labkit.train import local_batch
+    from labkit.parallel.checkpoint.policy import apply_checkpoint_policy
+    from labkit.train import rank_batch as local_batch
 
     run = _gpt_run().replace(dp=ctx.world_size)
     model = build_model(run.model_config, device=ctx.device, seed=run.seed)

@@ -265,7 +265,7 @@ def test_activation_memory_equals_adjusted_c18(request, tp, sp, regather, attent
             for layer in range(run.model.n_layers):
                 assert out[key][layer] == want, (key, layer)
     if tp == 1:  # the same count as the checkpointing module's per-layer formula
-        from labkit.parallel.checkpoint_jobs import adjusted_layer_bytes
+        from labkit.parallel.checkpoint.jobs import adjusted_layer_bytes
 
         assert r.outputs[0]["act"][0] == adjusted_layer_bytes(run.model, run.batch,
                                                               attention=attention)

@@ -72,6 +72,9 @@ def run(ctx, cfg) -> dict:
     metrics = {"rank": ctx.rank, "coords": dict(mg.coords), "mesh": str(cfg.mesh.shape),
                "model": cfg.model_config.name, "n_params": setup.n_params,
                "rank_params": setup.rank_params, "stages": sorted(setup.stages),
+               # parameters outside ZeRO's flat units (a tied copy between pipeline stages)
+               "replicated_params": sum(p.numel() for p in setup.plain_params)
+               if setup.sharded else setup.rank_params,
                "dp": cfg.parallel.dp, "pp": cfg.parallel.pp, "zero_stage": cfg.zero_stage,
                "micro_batch": cfg.micro, "accum_steps": cfg.accum_steps,
                "tokens_per_step": cfg.global_batch * tokens_per_sample(cfg),
