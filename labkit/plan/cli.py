@@ -149,7 +149,7 @@ def _fail(exc: Exception) -> int:
 
 
 def _console():
-    from labkit.cli_report import make_console
+    from labkit.cli.fmt import make_console
 
     return make_console()
 
