@@ -135,12 +135,13 @@ def overlap_fraction(events, step: int, rank=None) -> dict:
 
     An all-gather's span runs from issue to the return of its ``wait``; the ``"wait"``
     events are the time the compute thread sat blocked on one. Hidden = span − wait.
-    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered).
+    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered: a
+    one-rank shard group's "all-gathers" move no bytes and hide nothing).
     """
     out = {}
     for phase in ("forward", "backward", None):
         ag = sum(e.duration for e in events if e.op == "all_gather" and e.step == step
-                 and (rank is None or e.rank == rank)
+                 and e.bytes_sent > 0 and (rank is None or e.rank == rank)
                  and e.args.get("phase") in ((phase,) if phase else ("forward", "backward")))
         wait = sum(e.duration for e in events if e.cat == "wait" and e.step == step
                    and (rank is None or e.rank == rank)
