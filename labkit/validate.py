@@ -152,9 +152,10 @@ def _model(cfg, mc) -> None:
         from .parallel.context.core import check_context_parallel
 
         check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)
-    if p.ep != 1:
-        raise ValueError(f"ep={p.ep}: expert parallelism is not available in this labkit "
-                         "yet; use dp, zero_stage, pp, tp and cp")
+    if p.ep > 1 or mc.n_experts:
+        from .parallel.expert import check_expert_parallel
+
+        check_expert_parallel(mc, p.ep, p.dp * p.cp)
 
 
 def _pipeline(cfg, mc) -> None:

@@ -19,6 +19,8 @@ no communication: the ground truth every composition must match.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import comm
@@ -27,6 +29,7 @@ from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
 from .build import RankSetup, build_rank
 from .data import local_rows, rank_batch, tokens_per_sample
+from .experts import ep_predicted, recording, routing_summary
 from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
                       predicted_memory, run_steps, steady_step_time)
 from .step import make_step
@@ -63,8 +66,11 @@ def run(ctx, cfg) -> dict:
     out: dict = {}
     step = make_step(setup, executor, on_synced=_grab_grads(setup, out) if cfg.return_grads
                      else None)
-    shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
-                                      ctx.device, track=setup.track)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(recording(setup, ctx.tracer)) \
+            if cfg.model_config.n_experts else None
+        shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
+                                          ctx.device, track=setup.track)
     ctx.tracer.step = -1
     losses = _global_losses(ctx, setup, shares)
     step_time = steady_step_time(times)
@@ -89,6 +95,12 @@ def run(ctx, cfg) -> dict:
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))
+    if log is not None:
+        out["routing"] = routing_summary(log, cfg.steps)
+        if setup.mg.size("ep") > 1:
+            ep = ep_predicted(ctx, setup, log, timed)
+            metrics["comm_predicted_by_axis"]["ep"] = ep
+            metrics["comm_bytes_predicted"] += sum(ep.values())
     if cfg.zero_stage == 3 and setup.sharded:
         metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
     metrics.update(flops_and_mfu(ctx, setup, step_time))
@@ -138,29 +150,33 @@ def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
                 if v is not None:
                     local[name] = v
         info = getattr(m, "tp_info", None)
+        experts = {n for n, q in unique_parameters(m) if any(q is e for e in setup.expert_params)}
         for name, t in local.items():
+            if name in experts:  # each rank holds E/ep of the stacked experts
+                t = _gather(setup, "ep", t, 0, None)
             if info is None:
                 out[getattr(m, "full_name", lambda n: n)(name)] = t.cpu().clone()
             else:
                 full, dim, size = info.shards[name]
-                out[full] = _tp_gather(setup, t, dim, size)
+                out[full] = _gather(setup, "tp", t, dim, size)
     if "tok_emb.weight" in out and setup.cfg.model_config.tie_embeddings:
         if any(getattr(m, "head", None) is not None for m in setup.stages.values()):
             out.setdefault("head.weight", out["tok_emb.weight"])  # one parameter, two names
     return out
 
 
-def _tp_gather(setup: RankSetup, t: torch.Tensor, dim, size: int) -> torch.Tensor:
-    """A tensor-parallel shard rebuilt to its full shape: all-gathered over the tp group
-    along ``dim`` and cut to ``size`` (the vocabulary padding dropped)."""
-    if dim is None:
+def _gather(setup: RankSetup, axis: str, t: torch.Tensor, dim, size) -> torch.Tensor:
+    """A shard rebuilt to its full shape: all-gathered over the ``axis`` group along ``dim``
+    and cut to ``size`` (tensor parallelism's vocabulary padding dropped; ``None`` keeps
+    all). ``dim=None`` or a degree-1 axis returns ``t`` as it is."""
+    n = setup.mg.size(axis)
+    if dim is None or n == 1:
         return t.float().cpu().clone()
-    tp = setup.mg.size("tp")
     x = t.transpose(0, dim).contiguous() if dim else t.contiguous()
-    buf = torch.empty((tp * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(buf, x, group=setup.mg.group("tp"), axis="tp")
+    buf = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(buf, x, group=setup.mg.group(axis), axis=axis)
     buf = buf.transpose(0, dim) if dim else buf
-    return buf.narrow(dim, 0, size).float().cpu().clone()
+    return (buf if size is None else buf.narrow(dim, 0, size)).float().cpu().clone()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -182,6 +198,26 @@ def _grab_grads(setup: RankSetup, out: dict):
     return grab
 
 
+def token_groups(cfg) -> torch.Tensor:
+    """Which forward of the parallel run sees each token of a global batch: int64
+    ``(global_batch, S)``, one id per (data rank, microbatch, context rank). A
+    mixture-of-experts layer's load-balancing loss and capacity are computed per group, so
+    the single-process reference groups tokens exactly as the ranks do."""
+    from ..parallel.context.layout import chunk_ids, n_chunks
+
+    mc, p = cfg.model_config, cfg.parallel
+    b, s = cfg.global_batch, mc.seq_len
+    row = torch.arange(b)
+    micro_id = (row % cfg.local_batch) // cfg.micro + (row // cfg.local_batch) * cfg.accum_steps
+    owner = torch.zeros(s, dtype=torch.long)
+    if p.cp > 1:
+        chunk = s // n_chunks(p.cp, cfg.cp_zigzag)
+        for r in range(p.cp):
+            for c in chunk_ids(r, p.cp, cfg.cp_zigzag):
+                owner[c * chunk:(c + 1) * chunk] = r
+    return micro_id[:, None] * p.cp + owner[None, :]
+
+
 def reference(cfg, device: str = "cpu") -> dict:
     """Single-process training on the same global batches: ``{"losses", "state",
     "grads"}`` — ``state`` the final parameters and ``grads`` the first step's gradients,
@@ -191,6 +227,10 @@ def reference(cfg, device: str = "cpu") -> dict:
     """
     mc = cfg.model_config
     model = build_model(mc, device=device, seed=cfg.seed)
+    if mc.n_experts:
+        from ..models.moe import set_token_groups
+
+        set_token_groups(model, token_groups(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             eps=cfg.adam_eps)
     losses, grads = [], {}

@@ -72,6 +72,7 @@ class RankSetup:
     plain_params: list = field(default_factory=list)
     cp_core: Any = None
     tp_info: Any = None
+    expert_params: list = field(default_factory=list)
 
     @property
     def memory_module(self) -> nn.Module:
@@ -102,6 +103,7 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
         _split_pipeline(setup, model)
         _tensor_parallel(setup)
         _context_parallel(setup)
+        _expert_parallel(setup)
         _tie_across_stages(setup)
     del model  # the stages keep their own pieces; the rest of the full model is freed
     setup.rank_params = sum(p.numel() for _, p in unique_parameters(
@@ -185,6 +187,28 @@ def _context_parallel(setup: RankSetup) -> None:
     setup.cp_core = core
 
 
+def _expert_parallel(setup: RankSetup) -> None:
+    """Mixture-of-experts layers: each forward's load-balancing loss enters the objective by
+    its share of the global batch (the one loss rule), and with ``ep > 1`` each rank keeps
+    ``E/ep`` experts of every layer, tokens reaching them by all-to-all (Lepikhin et al.
+    2020, GShard §2; Fedus et al. 2021, Switch §2.2)."""
+    cfg, mg = setup.cfg, setup.mg
+    if not cfg.model_config.n_experts:
+        return
+    from ..models.moe import set_aux_loss_scale
+
+    p = cfg.parallel
+    for m in setup.stages.values():  # one forward = one microbatch of S/cp tokens
+        set_aux_loss_scale(m, cfg.micro / (cfg.global_batch * p.cp))
+    if p.ep == 1:
+        return
+    from ..parallel.expert import apply_expert_parallel, expert_parameters
+
+    for m in setup.stages.values():
+        apply_expert_parallel(m, mg.group("ep"))
+        setup.expert_params += [q for _, q in expert_parameters(m)]
+
+
 def _checkpoint(setup: RankSetup) -> None:
     cfg = setup.cfg
     if cfg.checkpoint == "none":
@@ -215,8 +239,9 @@ def _data_parallel(setup: RankSetup) -> None:
     if mg.size("dp_cp") == 1:
         return
     group = mg.group("dp_cp")
+    experts = {id(p) for p in setup.expert_params}
     if cfg.zero_stage == 0:
-        seen: set = set()  # a parameter two local stages share (ZB-V's tied ends): once
+        seen: set = set(experts)  # a parameter two local stages share (ZB-V's ends): once
         for s, m in setup.stages.items():
             if cfg.impl == "torch":
                 w = torch_ddp(m, group, cfg.bucket_mb, cfg.find_unused)
@@ -227,6 +252,7 @@ def _data_parallel(setup: RankSetup) -> None:
             seen |= {id(p) for p in m.parameters()}
             setup.wrappers.append(w)
             setup.forward[s] = w
+        _expert_data_parallel(setup)
         return
     if cfg.impl == "torch":
         setup.forward = {s: _torch_fsdp(setup, m) for s, m in setup.stages.items()}
@@ -240,8 +266,9 @@ def _data_parallel(setup: RankSetup) -> None:
     tied = setup.tied.param if setup.tied is not None else None
     for s, m in setup.stages.items():
         kw = dict(mixed_precision=mixed, reduce_op="sum")
-        if tied is not None and any(p is tied for p in m.parameters()):
-            kw["ignored_params"] = [tied]
+        ignored = [p for p in m.parameters() if p is tied or id(p) in experts]
+        if ignored:
+            kw["ignored_params"] = ignored
         if cfg.zero_stage == 3:
             w = FullyShardedDataParallel(m, shard, repl, prefetch=cfg.prefetch,
                                          keep_last=cfg.keep_last, **kw)
@@ -253,16 +280,29 @@ def _data_parallel(setup: RankSetup) -> None:
         setup.wrappers.append(w)
         setup.sharded.append(w)
         setup.forward[s] = w
-        if "ignored_params" in kw:  # the tied copy: replicated, summed by a DDP wrapper
+        if tied is not None and any(p is tied for p in ignored):
+            # the tied copy: replicated, summed by a DDP wrapper
             setup.wrappers.append(DataParallel(_Holder(tied), group, "naive", reduce_op="sum"))
+    _expert_data_parallel(setup)
+
+
+def _expert_data_parallel(setup: RankSetup) -> None:
+    """Expert parameters are summed over their expert-data group (the ranks holding the same
+    experts), not over all data ranks: each rank's experts saw only the tokens routed to
+    them."""
+    mg = setup.mg
+    if setup.expert_params and mg.size("edp") > 1:
+        holder = _Holder(*setup.expert_params)
+        setup.wrappers.append(DataParallel(holder, mg.group("edp"), "naive", reduce_op="sum",
+                                           axis="edp"))
 
 
 class _Holder(nn.Module):
-    """A module around one parameter, so a DDP wrapper can reduce it alone."""
+    """A module around some parameters, so a DDP wrapper can reduce them alone."""
 
-    def __init__(self, p: nn.Parameter):
+    def __init__(self, *params: nn.Parameter):
         super().__init__()
-        self.p = p
+        self.params = nn.ParameterList(params)
 
 
 def _torch_fsdp(setup: RankSetup, model: nn.Module) -> nn.Module:
@@ -285,11 +325,9 @@ def _optimizer(setup: RankSetup) -> torch.optim.Optimizer:
     seen: set = set()
     for w in setup.sharded:
         params += [u.master for u in w.units]
-    sharded_modules = {id(w.module) for w in setup.sharded}
-    extra = [p for s, m in setup.stages.items() if id(m) not in sharded_modules
-             for _, p in unique_parameters(m)]
-    if setup.sharded and setup.tied is not None and setup.tied.param is not None:
-        extra.append(setup.tied.param)
+    # what is still an nn.Parameter of a stage: everything without ZeRO; with it, what the
+    # flat units left out (a tied copy across stages, expert parameters)
+    extra = [p for m in setup.stages.values() for _, p in unique_parameters(m)]
     for p in extra:
         if id(p) not in seen:
             seen.add(id(p))

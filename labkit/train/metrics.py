@@ -162,6 +162,9 @@ def comm_metrics(ctx, setup, step: int) -> dict:
     # its DDP runs its buckets through labkit.comm by a comm hook
     if n > 1 and (cfg.impl == "labkit" or cfg.zero_stage == 0):
         predicted["dp"] = _dp_predicted(setup, elem)
+    if setup.expert_params and mg.size("edp") > 1:
+        predicted["edp"] = {"all_reduce": comm_bytes(
+            "all_reduce", sum(p.numel() for p in setup.expert_params) * 4, mg.size("edp"))}
     if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
     if cfg.parallel.cp > 1:
@@ -183,9 +186,9 @@ def _dp_predicted(setup, elem: int) -> dict:
     stage reduce-scatters (2–3) or gathers (3) every microbatch, minus the root unit's
     backward all-gather that ``keep_last`` saves, plus HSDP's all-reduce across replicas."""
     cfg, mg = setup.cfg, setup.mg
-    if not setup.sharded:
-        size = setup.rank_params * elem
-        return {"all_reduce": comm_bytes("all_reduce", size, mg.size("dp_cp"))}
+    if not setup.sharded:  # the experts are reduced over their own (edp) group
+        dense = setup.rank_params - sum(p.numel() for p in setup.expert_params)
+        return {"all_reduce": comm_bytes("all_reduce", dense * elem, mg.size("dp_cp"))}
     k, m = mg.size("fsdp"), mg.size("dp_replicate")
     micro = cfg.accum_steps if cfg.zero_stage >= 2 else 1
     out = {"reduce_scatter": 0.0, "all_gather": 0.0}
@@ -198,8 +201,9 @@ def _dp_predicted(setup, elem: int) -> dict:
             out["all_gather"] -= comm_bytes("all_gather", w.root.padded * elem, k) * micro
         if m > 1:
             out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", size / k, m)
-    if len(setup.wrappers) > len(setup.sharded):  # the tied copy's own DDP all-reduce
-        tied = setup.tied.param.numel() * 4
+    tied = setup.tied.param if setup.tied is not None else None
+    if tied is not None and any(p is tied for p in setup.plain_params):
+        tied = tied.numel() * 4  # the tied copy's own DDP all-reduce
         out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", tied,
                                                                     mg.size("dp_cp"))
     return out
@@ -232,6 +236,8 @@ def _tp_predicted(setup) -> dict:
     unit = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
     ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
     blk = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)
+    if mc.n_experts:  # the experts stay whole on every tp rank: only attention is split
+        blk = {k: v / 2 for k, v in blk.items()}
     layers = sum(len(m.layers) for m in setup.stages.values())
     out: dict = {}
 

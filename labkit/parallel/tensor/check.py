@@ -39,7 +39,12 @@ def check_tensor_parallel(model_cfg, tp: int, sequence_parallel: bool = False,
     if k < tp and tp % k:
         raise ValueError(f"tp={tp} does not divide by kv_heads={k}: with fewer K/V heads than "
                          "tp ranks each K/V head must serve a whole number of ranks")
-    if f % tp:
+    moe = getattr(model_cfg, "n_experts", 0)
+    if f % tp and not moe:  # experts are not split over tp (they stay whole on every rank)
         raise ValueError(f"ffn_dim={f} does not divide by tp={tp}")
+    if moe and sequence_parallel:
+        raise ValueError(f"sequence parallelism with n_experts={moe}: each tp rank's experts "
+                         "would see a different slice of the sequence; use "
+                         "sequence_parallel=False (the experts stay whole on every tp rank)")
     if sequence_parallel and s % tp:
         raise ValueError(f"sequence parallelism: seq_len={s} does not divide by tp={tp}")

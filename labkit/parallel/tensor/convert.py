@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ... import comm
-from ...models.gpt import GPT
+from ...models.gpt import GPT, SwiGLU
 from .attention import ParallelAttention, ParallelSwiGLU
 from .check import check_tensor_parallel
 from .cross_entropy import VocabParallelLoss
@@ -144,8 +144,10 @@ def apply_tensor_parallel(module: nn.Module, group, *, sequence_parallel: bool =
     if layers:
         attn = layers[0].attn
         s = seq_len if seq_len is not None else module.rope_cos.shape[0]
+        dense = isinstance(layers[0].mlp, SwiGLU)
         shape = types.SimpleNamespace(kind="gpt", n_heads=attn.n_heads, kv_heads=attn.n_kv_heads,
-                                      ffn_dim=layers[0].mlp.w1.weight.shape[0], seq_len=s)
+                                      ffn_dim=layers[0].mlp.w1.weight.shape[0] if dense else n,
+                                      seq_len=s)
         check_tensor_parallel(shape, n, sequence_parallel, s)
     full_name = getattr(module, "full_name", lambda name: name)
     layer_ids = getattr(module, "layer_ids", list(range(len(layers))))
@@ -166,7 +168,14 @@ def apply_tensor_parallel(module: nn.Module, group, *, sequence_parallel: bool =
         block.attn = ParallelAttention(block.attn, group, rank, regather=regather, layer=i, **sp)
         block.mlp_norm = ParallelRMSNorm(block.mlp_norm, group, **sp,
                                          tags={"layer": i, "site": "mlp_norm_grad"})
-        block.mlp = ParallelSwiGLU(block.mlp, group, rank, regather=regather, layer=i, **sp)
+        if isinstance(block.mlp, SwiGLU):
+            block.mlp = ParallelSwiGLU(block.mlp, group, rank, regather=regather, layer=i, **sp)
+        elif sequence_parallel:
+            raise ValueError("sequence parallelism with mixture-of-experts layers: the experts "
+                             "would see a different S/tp slice on each tp rank; use "
+                             "sequence_parallel=False (experts are replicated over tp)")
+        # a mixture-of-experts layer stays whole on every tp rank: the same tokens, the same
+        # experts, the same gradients (expert parallelism splits the experts instead)
     if getattr(module, "norm", None) is not None:
         module.norm = ParallelRMSNorm(module.norm, group, **sp, tags={"site": "norm_grad"})
     module.loss = VocabParallelLoss(group, start, vocab)
@@ -193,7 +202,8 @@ def apply_tensor_parallel(module: nn.Module, group, *, sequence_parallel: bool =
         kv_replicated=bool(blk and blk.attn.kv_replicated),
         local_heads=blk.attn.n_heads if blk else 0,
         local_kv_heads=blk.attn.n_kv_heads if blk else 0,
-        local_ffn=blk.mlp.w1.weight.shape[0] if blk else 0, positions_set=positions_set,
+        local_ffn=blk.mlp.w1.weight.shape[0] if blk and isinstance(blk.mlp, SwiGLU) else 0,
+        positions_set=positions_set,
         shards=_shard_specs(module, full_name, vocab, n))
     module.tp_info, module.tp_group = info, group
     return info
