@@ -1,20 +1,25 @@
 """Expert parallelism: parity with the dense single-process MoE on every rank (including
 routings where an expert gets no token and ranks send very different counts), the same
-tokens dropped under a capacity factor, EP x DP training, exact all-to-all bytes from the
-trace against the formula from the counts, expert memory divided by ep, and bad input."""
+tokens dropped under a capacity factor; through the one training job, EP and EP x DP
+parity with the same routing per token group, exact all-to-all bytes from the trace
+against the formula from the counts, expert memory divided by ep; and bad input."""
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 from jobs_expert import A2A_SIZES, PATTERNS, LayerCase, a2a_v, build_case, layer_step
+from parity import assert_parity
 
-from labkit.config import PRESETS
-from labkit.models.moe import record_routing, set_token_groups
-from labkit.parallel.expert import (a2a_bytes_formula, a2a_bytes_from_trace,
-                                    check_expert_parallel)
-from labkit.parallel.expert.jobs import ExpertRunConfig, reference, train
+import labkit.train as train_module
+from labkit import jobs
+from labkit.config import PRESETS, RunConfig
+from labkit.models import count_params
+from labkit.models.moe import moe_layers, record_routing, set_token_groups
+from labkit.parallel.expert import (a2a_bytes_expected, a2a_bytes_formula,
+                                    a2a_bytes_from_trace, check_expert_parallel, expert_numel)
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -112,60 +117,81 @@ def test_all_to_all_v_moves_uneven_and_empty_splits_with_exact_bytes(cluster4):
                                           for j, s in enumerate(sizes[me])]
 
 
-# ------------------------------------------------------------------ the standalone training job
+# ------------------------------------------------------------------ through the training job
 
-def _assert_close_state(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want)
-    for name in want:
-        diff = (got[name] - want[name]).abs().max().item()
-        assert diff < TOL, f"{what} {name}: {diff}"
+BASE = RunConfig(model="tiny-moe", steps=3, global_batch=8, return_state=True,
+                 return_grads=True, measure_memory=False, count_flops=False, adam_eps=1e-6)
+TOP1_CF1 = dataclasses.replace(PRESETS["tiny-moe"], top_k=1, capacity_factor=1.0,
+                               name="tiny-moe-top1-cf1")
 
 
-@pytest.mark.parametrize("ep,dp,model,opt", [
-    (2, None, "tiny-moe", "sgd"),
-    (4, None, "tiny-moe", "adamw"),
-    (2, 4, "tiny-moe", "sgd"),                                     # EP x DP: edp groups of 2
-    (2, None, dataclasses.replace(PRESETS["tiny-moe"], top_k=1, capacity_factor=1.0), "sgd"),
+def reference_with_routing(cfg: RunConfig) -> dict:
+    """:func:`labkit.train.reference` with every MoE forward's routing recorded:
+    ``"routing"[step][layer]`` is that forward's :class:`RoutingStats` over the token groups
+    (one per data rank and microbatch, :func:`labkit.train.token_groups`)."""
+    log: list = []
+    build = train_module.build_model
+
+    def recording_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for m in moe_layers(model):
+            m._log = log
+        return model
+
+    with mock.patch.object(train_module, "build_model", recording_build):
+        ref = train_module.reference(cfg)
+    n = cfg.model_config.n_layers
+    assert len(log) == cfg.steps * n
+    ref["routing"] = [log[s * n:(s + 1) * n] for s in range(cfg.steps)]
+    return ref
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("ep2", dict(dp=2, ep=2)),
+    ("ep4", dict(dp=4, ep=4)),
+    ("ep2xdp4", dict(dp=4, ep=2)),                     # EP x DP: edp groups of 2
+    ("ep2-top1-capacity-accum", dict(dp=2, ep=2, model=TOP1_CF1, micro_batch=2)),
 ])
-def test_training_parity_on_every_rank(cluster4, ep, dp, model, opt):
-    # plain SGD keeps a wrong gradient scale visible; AdamW at its usual rate (at 5e-2 its
-    # first step, about lr·sign(g), turns fp32 noise in near-zero gradients into 1e-4)
-    cfg = ExpertRunConfig(model=model, ep=ep, dp=dp, steps=3, optimizer=opt,
-                          lr=0.05 if opt == "sgd" else 1e-3, return_state=True)
-    r = cluster4.run(train, cfg)
-    ref = reference(cfg)
-    n = cfg.data_ranks
-    assert len(r.outputs) == n
-    for s in range(cfg.steps):
-        assert sum(o["losses"][s] for o in r.outputs) == pytest.approx(ref["losses"][s], abs=TOL)
+def test_training_parity_and_routing_on_every_rank(cluster4, name, changes):
+    """Through the one job: losses, every rank's parameters and first-step gradients equal
+    one process, and every rank routed (and, under a capacity, kept) exactly the choices
+    the reference routed for that rank's token groups, every step."""
+    cfg = BASE.replace(**changes)
+    r = cluster4.run(jobs.train, cfg)
+    assert_parity(r, cfg)
+    ref = reference_with_routing(cfg)
+    accum = cfg.accum_steps
     for rank, out in enumerate(r.outputs):
-        _assert_close_state(out["grads0"], ref["grads0"], f"rank {rank} grad")
-        _assert_close_state(out["state"], ref["state"], f"rank {rank} param")
+        data = cfg.mesh.index(rank, "dp")
+        assert len(out["routing"]) == cfg.steps
         for mine, theirs in zip(out["routing"], ref["routing"]):  # per step
-            for layer in range(2):
-                assert mine["counts"][layer] == theirs["counts"][layer][rank]
-                assert mine["kept"][layer] == theirs["kept"][layer][rank]
-        t = cfg.global_batch // n * cfg.model_config.seq_len  # tokens per data rank
-        for layer in range(2):
-            mine = sorted((rank * t + i, sl) for i, sl in out["dropped_idx"][layer])
-            assert mine == sorted((i, sl) for i, sl in ref["dropped_idx"][layer]
-                                  if rank * t <= i < (rank + 1) * t)
+            for layer, st in enumerate(theirs):
+                groups = slice(data * accum, (data + 1) * accum)  # this rank's microbatches
+                counts, kept = st.counts[groups].sum(0), st.kept[groups].sum(0)
+                assert mine["counts"][layer] == counts.tolist()
+                assert mine["kept"][layer] == kept.tolist()
+                assert mine["dropped"][layer] == int((counts - kept).sum())
+                aux = st.aux_per_group[groups].mean().item()
+                assert mine["aux"][layer] == pytest.approx(aux, abs=1e-6)
+    if cfg.model_config.capacity_factor:
+        assert sum(o["routing"][0]["dropped"][0] for o in r.outputs) > 0
 
 
-@pytest.mark.parametrize("ep,dp", [(2, None), (4, None), (2, 4)])
+@pytest.mark.parametrize("ep,dp", [(2, 2), (4, 4), (2, 4)])
 def test_all_to_all_bytes_equal_the_formula_from_the_counts(cluster4, ep, dp):
-    cfg = ExpertRunConfig(ep=ep, dp=dp, steps=2,
-                          model=dataclasses.replace(PRESETS["tiny-moe"], capacity_factor=1.0))
-    r = cluster4.run(train, cfg)
+    cfg = BASE.replace(model=dataclasses.replace(PRESETS["tiny-moe"], capacity_factor=1.0),
+                       steps=2, return_state=False, return_grads=False, dp=dp, ep=ep)
+    r = cluster4.run(jobs.train, cfg)
+    h = cfg.model_config.d_model
     for rank, out in enumerate(r.outputs):
-        block = rank // ep  # the ep group: consecutive blocks of ep data ranks
-        peers = r.outputs[block * ep:(block + 1) * ep]
+        peers = cfg.mesh.group(rank, "ep")  # consecutive blocks of ep data ranks
+        assert peers == tuple(range(rank // ep * ep, rank // ep * ep + ep))
         for s in range(cfg.steps):
             traced = a2a_bytes_from_trace(r.trace.events, rank=rank, step=s)
+            assert traced == a2a_bytes_expected(r, rank, s)
             for layer in range(2):
-                kept = [o["routing"][s]["kept"][layer] for o in peers]
-                want = a2a_bytes_formula(kept, rank - block * ep, out["d_model"],
-                                         out["elem_bytes"])
+                kept = [r.outputs[j]["routing"][s]["kept"][layer] for j in peers]
+                want = a2a_bytes_formula(kept, peers.index(rank), h, 4)
                 got = {k: v for k, v in traced.items() if k[0] == layer}
                 assert got[(layer, "dispatch", "forward")][0] == want["dispatch_sent"]
                 assert got[(layer, "dispatch", "forward")][1] == want["dispatch_recv"]
@@ -175,25 +201,40 @@ def test_all_to_all_bytes_equal_the_formula_from_the_counts(cluster4, ep, dp):
                 assert got[(layer, "counts", "forward")][0] == want["counts_sent"]
                 assert sum(v[0] for v in got.values()) == want["sent"]
                 assert sum(v[1] for v in got.values()) == want["recv"]
+        # the job's own prediction (from all ranks' counts, in the ranks) agrees
+        m = out["metrics"]
+        assert m["comm_bytes_by_axis"]["ep"] == m["comm_predicted_by_axis"]["ep"]
     assert any(o["routing"][0]["dropped"] != [0, 0] for o in r.outputs)  # drops are not sent
+
+
+def test_expected_bytes_count_microbatches_and_recomputation(cluster4):
+    cfg = BASE.replace(steps=2, return_state=False, return_grads=False, dp=2, ep=2,
+                       micro_batch=1, checkpoint="full")
+    r = cluster4.run(jobs.train, cfg)
+    for rank in range(2):
+        for s in range(cfg.steps):
+            traced = a2a_bytes_from_trace(r.trace.events, rank=rank, step=s)
+            assert {k[2] for k in traced} == {"forward", "backward", "recompute"}
+            assert traced == a2a_bytes_expected(r, rank, s)
+    with pytest.raises(ValueError, match="pp=2"):
+        a2a_bytes_expected(dataclasses.replace(r, config=cfg.replace(pp=2, dp=1)), 0, 0)
 
 
 def test_expert_memory_is_divided_by_ep(cluster4):
     mc = PRESETS["tiny-moe"]
-    full = mc.n_layers * mc.n_experts * 3 * mc.d_model * mc.ffn_dim * 4
-    dense = 0
-    for ep in (2, 4):
-        r = cluster4.run(train, ExpertRunConfig(ep=ep, steps=2, measure_memory=True))
-        for out in r.outputs:
-            info = out["info"]
-            assert info["expert_bytes"] == full // ep  # storage accounting, the slice only
-            assert info["full_expert_numel"] * 4 == full
-            dense = out["param_bytes"] - info["expert_bytes"]
-            assert out["param_bytes"] == dense + full // ep
-            # torch's MemTracker sees the same parameter bytes on every rank
-            assert out["memory"]["parameters"] == dense + full // ep
-    from labkit.models import count_params
-    assert dense + full == count_params(mc) * 4
+    full = expert_numel(mc)
+    assert full == mc.n_layers * mc.n_experts * 3 * mc.d_model * mc.ffn_dim
+    dense = count_params(mc) - full
+    for ep in (1, 2, 4):
+        cfg = BASE.replace(steps=2, return_state=False, return_grads=False, measure_memory=True,
+                           dp=4, ep=ep)
+        r = cluster4.run(jobs.train, cfg)
+        for m in r.metrics:
+            assert m["n_params"] == count_params(mc)
+            assert m["rank_params"] == dense + full // ep
+            # torch's MemTracker sees exactly those fp32 parameter bytes on every rank: the
+            # slice does not keep the full expert storage alive
+            assert m["memory"]["model_state"]["parameters"] == 4 * (dense + full // ep)
 
 
 def test_bad_layouts_raise_before_any_rank_starts():
@@ -207,14 +248,22 @@ def test_bad_layouts_raise_before_any_rank_starts():
     with pytest.raises(ValueError, match="n_experts=0"):
         check_expert_parallel(PRESETS["tiny"], 2, 2)
     check_expert_parallel(PRESETS["tiny"], 1, 3)  # ep=1 is always fine
-    with pytest.raises(ValueError, match="dp=8 data ranks need 8 ranks"):
-        ExpertRunConfig(ep=2, dp=8).validate(4)
-    with pytest.raises(ValueError, match="ep=4 must divide the data ranks dp x cp = 2"):
-        ExpertRunConfig(model=dataclasses.replace(moe, n_experts=8), ep=4, dp=2).validate(4)
+    run = RunConfig(model="tiny-moe")
+    with pytest.raises(ValueError, match="8 ranks but the cluster has world_size=4"):
+        run.replace(dp=8, ep=2).validate(4)
+    with pytest.raises(ValueError, match=r"ep=4 must divide the data ranks dp x cp = 2 x 1 = 2"):
+        run.replace(model=dataclasses.replace(moe, n_experts=8), dp=2, ep=4).validate(4)
     with pytest.raises(ValueError, match="global_batch=6 is not divisible by dp=4"):
-        ExpertRunConfig(ep=4, global_batch=6).validate(4)
-    with pytest.raises(ValueError, match="dense"):
-        ExpertRunConfig(model="tiny").validate(4)
+        run.replace(dp=4, ep=4, global_batch=6).validate(4)
+    with pytest.raises(ValueError, match="ModelConfig.n_experts=0"):
+        run.replace(model="tiny", dp=2, ep=2).validate(4)
+
+
+def _assert_close_state(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        diff = (got[name] - want[name]).abs().max().item()
+        assert diff < TOL, f"{what} {name}: {diff}"
 
 
 def test_a_pipeline_stage_converted_in_place_matches_the_dense_stage(cluster4):

@@ -1,17 +1,22 @@
-"""``ExpertView``: where the tokens went in an expert-parallel run, and the all-to-alls that
-moved them, replayed from the recorded trace (claim C37).
+"""``ExpertView``: where the tokens went in a mixture-of-experts training run, and the
+all-to-alls that moved them, replayed from the recorded trace (claim C37).
 
-Left: a heatmap of the tokens each rank routed to each expert (kept choices; the text also
-shows the dropped ones) for the selected step and layer, with the imbalance ``max/mean``
-of the per-expert totals in the title. Right: one all-to-all of that step — dispatch or
-combine, forward or backward — as a traffic matrix (row = sending rank, column = receiving
-rank, colour = bytes), taken from the events :mod:`labkit.comm` recorded on every rank.
-``Play`` walks through the step's all-to-alls in the order they ran. Everything drawn comes
-from the run's result (:func:`labkit.parallel.expert.jobs.train`) and its trace; ``update``
-shows a new run; ``figure()`` is a static snapshot for nbval and saved notebooks.
+Left: a heatmap of the choices each rank routed to each expert and kept (the text also
+shows the dropped ones as ``(−n)``) for the selected step and layer, with the imbalance
+``max/mean`` of the per-expert totals in the title. Right: one all-to-all of that step —
+dispatch or combine, forward, backward or recomputed — as a traffic matrix (row = sending
+rank, column = receiving rank, colour = bytes) over all ranks, taken from the events
+:mod:`labkit.comm` recorded on every rank; ``ep`` groups side by side show as blocks.
+``Play`` walks through the step's all-to-alls in the order they ran.
+
+Everything drawn comes from a :func:`labkit.jobs.train` result (``outputs[r]["routing"]``
+and the trace). Given a warm cluster, the aux-loss weight, capacity factor and top-k
+controls re-run that training with the change, and the view updates; :meth:`run` does the
+same for any config. ``figure()`` is a static snapshot for nbval and saved notebooks.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Optional
 
@@ -19,60 +24,96 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.parallel.expert.measure import imbalance
+from labkit.parallel.expert.measure import expert_numel, imbalance
 
 from . import _style as S
 from ._static import StaticFigure
 
-__all__ = ["ExpertView", "expert_load", "a2a_frames"]
+__all__ = ["ExpertView", "expert_load", "a2a_frames", "routing_ranks"]
 
 ALL = "all layers"
+AUX_WEIGHTS = (0.0, 0.001, 0.01, 0.1, 1.0)
+#: capacity factors offered; 0.0 stands for none (a capacity factor is always > 0)
+CAPACITIES = (("none", 0.0), ("2.0", 2.0), ("1.5", 1.5), ("1.25", 1.25), ("1.0", 1.0),
+              ("0.75", 0.75), ("0.5", 0.5))
+
+
+def routing_ranks(result) -> list:
+    """The ranks whose routing is distinct: every rank of tensor-parallel position 0 (the
+    ``tp`` ranks of a group route the same tokens).
+
+    Raises:
+        ValueError: not a mixture-of-experts training run, or a pipeline run (``pp > 1``:
+            a rank's routing lists hold only its own stage's layers).
+    """
+    cfg = result.config
+    if not (isinstance(result.outputs[0], dict) and "routing" in result.outputs[0]):
+        raise ValueError("ExpertView shows a training run of a mixture-of-experts model "
+                         "(outputs[r]['routing']): run labkit.jobs.train with e.g. 'tiny-moe'")
+    if cfg.parallel.pp > 1:
+        raise ValueError(f"ExpertView draws runs with pp=1 (every rank routes every layer), "
+                         f"got pp={cfg.parallel.pp}")
+    mesh = cfg.mesh
+    return [r for r in range(len(result.outputs)) if mesh.coords(r)["tp"] == 0]
 
 
 def expert_load(result, step: int, layer=ALL) -> dict:
-    """The left heatmap as plain data: ``{"z": [rank][expert] kept choices, "dropped":
-    [rank][layer-summed dropped], "text", "imbalance", "totals"}`` for ``step`` and ``layer``
-    (an index or :data:`ALL`, the sum over layers)."""
-    outs = result.outputs
-    n_layers = len(outs[0]["routing"][step]["kept"])
+    """The left heatmap as plain data for ``step`` and ``layer`` (an index or :data:`ALL`,
+    the sum over layers): ``{"ranks", "z": [row][expert]`` kept choices, ``"text"``,
+    ``"dropped": [row]``, ``"totals": [expert]``, ``"imbalance"}`` (max/mean of the totals;
+    rows are :func:`routing_ranks`)."""
+    ranks = routing_ranks(result)
+    n_layers = len(result.outputs[ranks[0]]["routing"][step]["kept"])
     layers = range(n_layers) if layer == ALL else [int(layer)]
     z, text, dropped = [], [], []
-    for o in outs:
-        rec = o["routing"][step]
+    for r in ranks:
+        rec = result.outputs[r]["routing"][step]
         row = [sum(rec["kept"][li][e] for li in layers) for e in range(len(rec["kept"][0]))]
         wanted = [sum(rec["counts"][li][e] for li in layers) for e in range(len(row))]
         z.append(row)
         text.append([f"{k}" + (f" (−{w - k})" if w > k else "") for k, w in zip(row, wanted)])
         dropped.append(sum(rec["dropped"][li] for li in layers))
     totals = [sum(col) for col in zip(*z)]
-    return {"z": z, "text": text, "dropped": dropped, "totals": totals,
+    return {"ranks": ranks, "z": z, "text": text, "dropped": dropped, "totals": totals,
             "imbalance": imbalance(totals)}
 
 
 def a2a_frames(trace, step: int) -> list:
-    """The step's token all-to-alls (dispatch/combine, forward/backward) in the order they
-    ran: ``[{"layer", "phase", "pass", "ranks", "matrix" [i][j] bytes i → j, "sent"}]``.
+    """The step's token all-to-alls (dispatch/combine; forward, backward, recompute) in the
+    order they ran: ``[{"layer", "phase", "pass", "micro", "ranks", "matrix" [i][j] bytes
+    ranks[i] → ranks[j], "sent", "start"}]``.
 
-    Every rank records its part of each all-to-all; the ``n``-th event of a rank pairs with
-    the ``n``-th of every other rank of its group (collectives run in one order everywhere).
+    Each rank records its part of each all-to-all; within one ``ep`` group the ``n``-th
+    event of a rank pairs with the ``n``-th of every other member (a group runs its
+    collectives in one order). Calls with the same ``(layer, phase, pass)`` and occurrence
+    (``micro``: the microbatch) in different ``ep`` groups ran side by side and share a
+    frame, as blocks of one matrix over every rank that took part.
     """
     per_group: dict = defaultdict(lambda: defaultdict(list))
     for ev in trace.events:  # sorted by start time
         if (ev.op == "all_to_all" and ev.step == step
                 and ev.args.get("phase") in ("dispatch", "combine")):
             per_group[tuple(ev.peers)][ev.rank].append(ev)
-    frames = []
+    calls_by_key: dict = defaultdict(list)
     for peers, by_rank in per_group.items():
+        seen: dict = defaultdict(int)
         for calls in zip(*(by_rank[r] for r in peers if r in by_rank)):
-            ranks = list(peers)
-            first = calls[0]
-            matrix = [[0.0] * len(ranks) for _ in ranks]
+            a = calls[0].args
+            kind = (a.get("layer"), a["phase"], a.get("pass", "forward"))
+            calls_by_key[kind + (seen[kind],)].append((peers, calls))
+            seen[kind] += 1
+    ranks = sorted({r for peers in per_group for r in peers})
+    frames = []
+    for (layer, phase, pss, micro), groups in calls_by_key.items():
+        matrix = [[0.0] * len(ranks) for _ in ranks]
+        for peers, calls in groups:
             for ev in calls:
-                matrix[ranks.index(ev.rank)] = [float(b) for b in ev.args["bytes_to"]]
-            frames.append({"layer": first.args.get("layer"), "phase": first.args["phase"],
-                           "pass": first.args.get("pass", "forward"), "ranks": ranks,
-                           "matrix": matrix, "sent": sum(map(sum, matrix)),
-                           "start": min(ev.start for ev in calls)})
+                row = matrix[ranks.index(ev.rank)]
+                for j, b in zip(peers, ev.args["bytes_to"]):
+                    row[ranks.index(j)] = float(b)
+        frames.append({"layer": layer, "phase": phase, "pass": pss, "micro": micro,
+                       "ranks": ranks, "matrix": matrix, "sent": sum(map(sum, matrix)),
+                       "start": min(ev.start for _, calls in groups for ev in calls)})
     frames.sort(key=lambda f: f["start"])
     return frames
 
@@ -82,37 +123,39 @@ def _base_figure() -> go.FigureWidget:
                         subplot_titles=("tokens per expert (kept choices)", "all-to-all"))
     fig.add_trace(go.Heatmap(name="load", x=[], y=[], z=[], text=[], texttemplate="%{text}",
                              colorscale="Blues", xgap=2, ygap=2, showscale=False,
-                             hovertemplate="rank %{y} → expert %{x}: %{z} tokens<extra></extra>"),
+                             hovertemplate="%{y} → expert %{x}: %{z} choices<extra></extra>"),
                   row=1, col=1)
     fig.add_trace(go.Heatmap(name="traffic", x=[], y=[], z=[], text=[],
                              texttemplate="%{text}", colorscale="YlOrBr", xgap=2, ygap=2,
                              showscale=False,
-                             hovertemplate="rank %{y} → rank %{x}: %{z} B<extra></extra>"),
+                             hovertemplate="%{y} → %{x}: %{z} B<extra></extra>"),
                   row=1, col=2)
-    fig.update_layout(template="plotly_white", height=330, margin=dict(l=60, r=20, t=80, b=50),
+    fig.update_layout(template="plotly_white", height=340, margin=dict(l=60, r=20, t=80, b=50),
                       title=dict(text="no run yet", font_size=14))
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(title_text="expert", row=1, col=1)
-    fig.update_yaxes(title_text="sending rank", row=1, col=1)
+    fig.update_yaxes(title_text="routing rank", row=1, col=1)
     fig.update_xaxes(title_text="receiving rank", row=1, col=2)
     return go.FigureWidget(fig)
 
 
 class ExpertView(StaticFigure, W.VBox):
-    """Load heatmap + all-to-all replay of an expert-parallel run.
+    """Load heatmap + all-to-all replay of a mixture-of-experts training run.
 
     Args:
-        result: a ``RunResult`` of :func:`labkit.parallel.expert.jobs.train` (or ``None``
-            until :meth:`update`).
+        result: a ``RunResult`` of :func:`labkit.jobs.train` on a MoE model (``None``
+            until :meth:`update` or :meth:`run`).
+        cluster: a warm :class:`labkit.Cluster`; with it the model controls re-run.
 
     Attributes:
-        step, layer, frame, play: the controls; fig: the ``go.FigureWidget``; result: the
-        run shown; frames: the selected step's all-to-alls (:func:`a2a_frames`).
+        step, layer, frame, play: what is shown; aux_weight, capacity, top_k: the model
+        knobs that re-run training (``cluster`` needed); fig: the ``go.FigureWidget``;
+        result: the run shown; frames: the selected step's all-to-alls (:func:`a2a_frames`).
     """
 
-    def __init__(self, result=None):
+    def __init__(self, result=None, cluster=None):
         super().__init__()
-        self.result, self.frames, self._quiet = None, [], False
+        self.result, self.cluster, self.frames, self._quiet = None, cluster, [], False
         self.step = W.IntSlider(value=0, min=0, max=0, description="step",
                                 continuous_update=False, layout=W.Layout(width="260px"))
         self.layer = W.Dropdown(options=[ALL], value=ALL, description="layer",
@@ -122,19 +165,64 @@ class ExpertView(StaticFigure, W.VBox):
         self.play = W.Play(value=0, min=0, max=0, interval=800, description="play")
         W.link((self.play, "value"), (self.frame, "value"))
         W.link((self.play, "max"), (self.frame, "max"))
+        self.aux_weight = W.Dropdown(options=list(AUX_WEIGHTS), value=0.01,
+                                     description="aux weight", layout=W.Layout(width="190px"))
+        self.capacity = W.Dropdown(options=list(CAPACITIES), value=0.0,
+                                   description="capacity", layout=W.Layout(width="180px"))
+        self.top_k = W.IntSlider(value=1, min=1, max=1, description="top-k",
+                                 continuous_update=False, layout=W.Layout(width="220px"))
         self.status, self.info = W.HTML(), W.HTML()
         self.fig = _base_figure()
         self.step.observe(lambda _c: self._on_step(), names="value")
         self.layer.observe(lambda _c: self._redraw(), names="value")
         self.frame.observe(lambda _c: self._redraw(), names="value")
-        self.children = [W.HBox([self.step, self.layer]), W.HBox([self.play, self.frame]),
-                         self.status, self.fig, self.info]
+        for w in (self.aux_weight, self.capacity, self.top_k):
+            w.observe(lambda _c: None if self._quiet else self.rerun(), names="value")
+        knobs = [W.HBox([self.aux_weight, self.capacity, self.top_k])] if cluster else []
+        self.children = knobs + [W.HBox([self.step, self.layer]),
+                                 W.HBox([self.play, self.frame]), self.status, self.fig,
+                                 self.info]
         if result is not None:
             self.update(result)
 
+    # -- running -----------------------------------------------------------------------
+    def run(self, config) -> "ExpertView":
+        """Train ``config`` (a MoE ``RunConfig``) on the cluster and show the result; a
+        refused config or a failed rank is shown in the status line."""
+        from labkit import jobs
+
+        if self.cluster is None:
+            self.status.value = S.status_html("no cluster: pass one to ExpertView(result, "
+                                              "cluster) to re-run", "error")
+            return self
+        self.status.value = S.status_html("training …", "busy")
+        try:
+            result = self.cluster.run(jobs.train, config)
+            routing_ranks(result)
+        except Exception as exc:  # noqa: BLE001 - shown in the widget, not raised
+            self.status.value = S.status_html(f"{type(exc).__name__}: {exc}", "error")
+            return self
+        return self.update(result)
+
+    def rerun(self) -> "ExpertView":
+        """Re-run the shown run's config with the knobs' aux weight, capacity and top-k."""
+        if self.result is None:
+            return self
+        cfg = self.result.config
+        mc = dataclasses.replace(cfg.model_config, aux_loss_weight=self.aux_weight.value,
+                                 capacity_factor=self.capacity.value or None, top_k=self.top_k.value)
+        return self.run(cfg.replace(model=mc))
+
     def update(self, result) -> "ExpertView":
-        """Show a new run (keeps the step and layer when they still exist)."""
+        """Show a new run (keeps the step and layer when they still exist).
+
+        Raises:
+            ValueError: ``result`` is not a pipeline-free MoE training run
+                (:func:`routing_ranks`).
+        """
+        routing_ranks(result)
         self.result = result
+        mc = result.config.model_config
         outs = result.outputs
         steps, n_layers = len(outs[0]["routing"]), len(outs[0]["routing"][0]["kept"])
         self._quiet = True
@@ -144,11 +232,22 @@ class ExpertView(StaticFigure, W.VBox):
             keep = self.layer.value
             self.layer.options = [ALL] + list(range(n_layers))
             self.layer.value = keep if keep in self.layer.options else ALL
+            if mc.aux_loss_weight not in self.aux_weight.options:
+                self.aux_weight.options = sorted(set(self.aux_weight.options)
+                                                 | {mc.aux_loss_weight})
+            self.aux_weight.value = mc.aux_loss_weight
+            cf = mc.capacity_factor or 0.0
+            if cf not in [v for _, v in self.capacity.options]:
+                self.capacity.options = list(self.capacity.options) + [(f"{cf:g}", cf)]
+            self.capacity.value = cf
+            self.top_k.max = mc.n_experts
+            self.top_k.value = mc.top_k
         finally:
             self._quiet = False
         self._on_step()
         return self
 
+    # -- drawing -----------------------------------------------------------------------
     def _on_step(self) -> None:
         if self._quiet or self.result is None:
             return
@@ -165,11 +264,11 @@ class ExpertView(StaticFigure, W.VBox):
         if self._quiet or self.result is None:
             return
         load = expert_load(self.result, self.step.value, self.layer.value)
-        n_ranks, n_exp = len(load["z"]), len(load["totals"])
+        n_exp = len(load["totals"])
         fr = self.frames[self.frame.value] if self.frames else None
         with self.fig.batch_update():
             self.fig.data[0].update(x=[f"e{e}" for e in range(n_exp)],
-                                    y=[f"rank {r}" for r in range(n_ranks)], z=load["z"],
+                                    y=[f"rank {r}" for r in load["ranks"]], z=load["z"],
                                     text=load["text"])
             if fr is not None:
                 names = [f"rank {r}" for r in fr["ranks"]]
@@ -177,6 +276,8 @@ class ExpertView(StaticFigure, W.VBox):
                                         text=[[("local" if i == j else S.fmt_bytes(b))
                                                for j, b in enumerate(row)]
                                               for i, row in enumerate(fr["matrix"])])
+            else:
+                self.fig.data[1].update(x=[], y=[], z=[], text=[])
             where = "all layers" if self.layer.value == ALL else f"layer {self.layer.value}"
             self.fig.layout.title.text = (
                 f"step {self.step.value} · {where} · imbalance max/mean = "
@@ -189,18 +290,20 @@ class ExpertView(StaticFigure, W.VBox):
 
     def _frame_text(self, fr: Optional[dict]) -> str:
         if fr is None:
-            return "no token all-to-all in this step's trace"
-        return (f"all-to-all {self.frame.value + 1}/{len(self.frames)}: layer {fr['layer']} "
-                f"{fr['phase']} ({fr['pass']}), {S.fmt_bytes(fr['sent'])} between ranks "
-                "(rows send, columns receive)")
+            return "no token all-to-all in this step's trace (ep=1: the experts are local)"
+        micro = f" microbatch {fr['micro']}" if self.result.config.accum_steps > 1 else ""
+        return (f"all-to-all {self.frame.value + 1}/{len(self.frames)}: layer {fr['layer']}"
+                f"{micro} {fr['phase']} ({fr['pass']}), {S.fmt_bytes(fr['sent'])} between "
+                "ranks (rows send, columns receive)")
 
     def _summary(self, load: dict) -> str:
-        outs = self.result.outputs
-        info = outs[0]["info"]
-        return (f"ep={info['ep']} · {info['n_experts']} experts, {info['n_local']} per rank · "
-                f"expert bytes per rank {S.fmt_bytes(info['expert_bytes'])} of "
-                f"{S.fmt_bytes(info['full_expert_numel'] * outs[0]['elem_bytes'])} · "
-                f"tokens per expert {load['totals']}")
+        cfg = self.result.config
+        mc, ep = cfg.model_config, cfg.parallel.ep
+        full = expert_numel(mc)
+        return (f"ep={ep} · {mc.n_experts} experts, {mc.n_experts // ep} per rank · top-{mc.top_k}"
+                f" · capacity {mc.capacity_factor if mc.capacity_factor else 'none'}"
+                f" · aux weight {mc.aux_loss_weight:g} · expert parameters per rank "
+                f"{full // ep:,} of {full:,} · tokens per expert {load['totals']}")
 
     def __repr__(self) -> str:
         if self.result is None:

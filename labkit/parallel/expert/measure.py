@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["a2a_bytes_formula", "a2a_bytes_from_trace", "imbalance", "tokens_per_expert"]
+__all__ = ["a2a_bytes_formula", "a2a_bytes_from_trace", "a2a_bytes_expected", "imbalance",
+           "tokens_per_expert", "expert_numel"]
 
 
 def imbalance(counts: Sequence[float]) -> float:
@@ -76,3 +77,49 @@ def a2a_bytes_from_trace(events: Iterable, rank: Optional[int] = None,
         out[key][0] += ev.bytes_sent
         out[key][1] += ev.bytes_recv
     return dict(out)
+
+
+def expert_numel(model_config) -> int:
+    """Expert parameters of the whole model, ``n_layers · E · 3 · H · F`` (gate, up and down
+    matrices of every expert); expert parallelism leaves ``1/ep`` of them on each rank."""
+    mc = model_config
+    return mc.n_layers * mc.n_experts * 3 * mc.d_model * mc.ffn_dim
+
+
+def a2a_bytes_expected(result, rank: int, step: int) -> dict:
+    """What :func:`a2a_bytes_from_trace` should find for ``rank`` in ``step`` of a training
+    run (``result`` of :func:`labkit.jobs.train` with a MoE model and ``ep > 1``), from the
+    kept counts every rank of its ``ep`` group returned in ``outputs[r]["routing"]``.
+
+    The bytes are linear in the counts, so the step's summed counts give the sum over its
+    forwards (microbatches) exactly; each forward also exchanges the counts once, and a
+    checkpoint policy's recomputed forward repeats the count exchange, dispatch and combine
+    (``pass="recompute"``). Elements are 2 bytes under ``precision="bf16"``, else 4.
+
+    Returns:
+        ``{(layer, phase, pass): [sent, recv]}`` bytes, the keys of the trace's sums.
+
+    Raises:
+        ValueError: a pipeline run (``pp > 1``: a rank's routing lists hold only its own
+            stage's layers).
+    """
+    cfg = result.config
+    if cfg.parallel.pp > 1:
+        raise ValueError(f"a2a_bytes_expected reads runs with pp=1, got pp={cfg.parallel.pp}")
+    peers = cfg.mesh.group(rank, "ep")
+    me, elem, h = peers.index(rank), 2 if cfg.precision == "bf16" else 4, \
+        cfg.model_config.d_model
+    kept = [result.outputs[j]["routing"][step]["kept"] for j in peers]
+    out = {}
+    for layer in range(len(kept[0])):
+        f = a2a_bytes_formula([k[layer] for k in kept], me, h, elem)
+        d_sent, d_recv = f["dispatch_sent"], f["dispatch_recv"]
+        counts = f["counts_sent"] * cfg.accum_steps
+        passes = ("forward",)
+        for p in passes:
+            out[(layer, "counts", p)] = [counts, counts]
+            out[(layer, "dispatch", p)] = [d_sent, d_recv]
+            out[(layer, "combine", p)] = [d_recv, d_sent]
+        out[(layer, "dispatch", "backward")] = [d_recv, d_sent]
+        out[(layer, "combine", "backward")] = [d_sent, d_recv]
+    return out
