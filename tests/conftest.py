@@ -293,3 +293,9 @@ def cluster4():
 def cluster2():
     """A warm 2-rank gloo cluster shared by the tests that need one."""
     yield from _cluster(2)
+
+
+@pytest.fixture(scope="session")
+def cluster8():
+    """A warm 8-rank gloo cluster for the N-D compositions that need 2x2x2 ranks."""
+    yield from _cluster(8)
