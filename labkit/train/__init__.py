@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from .. import comm
+from ..config import RunConfig
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
@@ -43,7 +44,7 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float().cpu() for _, p in unique_parameters(model)])
 
 
-def run(ctx, cfg) -> dict:
+def run(ctx, cfg: RunConfig) -> dict:
     """Train ``cfg`` (a :class:`labkit.config.RunConfig`) on this rank.
 
     Returns plain data: ``{"losses": [global mean loss per step, the same on every rank],
