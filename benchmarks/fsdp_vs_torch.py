@@ -1,4 +1,4 @@
-"""labkit FSDP (ZeRO-3, :mod:`labkit.parallel.fsdp`) vs PyTorch FSDP2 ``fully_shard``.
+"""labkit FSDP (ZeRO-3, :mod:`labkit.parallel.zero.fsdp`) vs PyTorch FSDP2 ``fully_shard``.
 
 Same model (``small`` preset), same global batch (8), same units (every block, then the
 root), same mesh: dp 2 and 4 (1-D), and HSDP 2 x 2 (2-D). All on one warm 4-rank gloo

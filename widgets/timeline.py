@@ -4,7 +4,7 @@ Each rank gets a row: compute spans (forward, backward, optimizer, other) on the
 and communication spans (all-reduce, all-gather, send/recv …) on a thinner lane just below
 it, so a gradient all-reduce running under backward shows as two overlapping bars. Time the
 compute thread sat *blocked* on a collective (trace events of category ``"wait"``, e.g.
-FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.fsdp`) is drawn as a
+FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.zero.fsdp`) is drawn as a
 narrower dark "blocked" bar on top of the compute row: the part of the span not hidden.
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
 name, step, op, the algorithmic bytes it sent and received, and its duration.
