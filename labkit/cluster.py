@@ -27,7 +27,7 @@ import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
-from .preflight import check_world_size
+from .preflight import check_run_fits, check_world_size
 from .result import RankError, RunResult
 from .trace import Trace
 from .worker import check_config, job_reference
@@ -230,7 +230,8 @@ class Cluster:
         Raises:
             TypeError: the job is not importable by the ranks, the config is not of the class
                 the job's config parameter is annotated with, or it is not picklable.
-            ValueError: the config is invalid for this cluster (from its ``validate``).
+            ValueError: the config is invalid for this cluster (from its ``validate``), or
+                (CPU ranks) its model state cannot fit the memory this machine has now.
             RankError: a rank raised; the pool is restarted.
             TimeoutError: the job ran too long; the pool is restarted.
         """
@@ -238,6 +239,8 @@ class Cluster:
         check_config(job, config)
         if hasattr(config, "validate"):
             config.validate(self.world_size)
+            if self.backend == "gloo" and getattr(config, "mesh", None) is not None:
+                check_run_fits(config)  # the model fits this machine's memory, as on the CLI
         if nranks is None:
             par = getattr(config, "parallel", None)
             nranks = getattr(par, "world_size", None) or self.world_size
