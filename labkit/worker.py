@@ -176,6 +176,8 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
     # what an interrupt means (cancel and restart), so ranks ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # startup stages, so a pool that cannot start says where it stopped (labkit.startup)
+    conn.send(("progress", None, rank, "started"))
     sys.path[:] = list(dict.fromkeys(sys_path + sys.path))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -190,6 +192,7 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
+    conn.send(("progress", None, rank, "joining"))
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
