@@ -34,7 +34,7 @@ from labkit.parallel.checkpoint import STRATEGIES, Schedule, formula_counts, mak
 from labkit.parallel.checkpoint_exec import ExecResult, run_schedule
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["CheckpointView", "OP_COLORS"]
 
@@ -108,7 +108,8 @@ class CheckpointView(StaticFigure, W.VBox):
     Attributes:
         controls: ``n_layers`` / ``strategy`` / ``every`` widgets; ``play`` (``W.Play``) and
             ``step`` (``W.IntSlider``) linked together; ``status`` (``W.HTML``).
-        fig: the ``go.FigureWidget``; ``result``: the :class:`ExecResult` on display.
+        fig: the ``go.FigureWidget`` (created from the first drawn schedule);
+            ``result``: the :class:`ExecResult` on display.
     """
 
     def __init__(self, n_layers: int = 8, strategy: str = "sqrt", every: int = 2, *,
@@ -138,16 +139,17 @@ class CheckpointView(StaticFigure, W.VBox):
                                 layout=W.Layout(width="420px"))
         W.link((self.play, "value"), (self.step, "value"))
         self.status = W.HTML(S.status_html("ready"))
-        self.fig = go.FigureWidget(_base_figure())
+        self.fig = _base_figure()
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.step.observe(self._on_step, names="value")
-        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.step]),
-                         self.status, self.fig]
         if schedule is not None:
             self.update(schedule)
         else:
             self.rerun()
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
+        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.step]),
+                         self.status, self.fig]
 
     # -- running -------------------------------------------------------------------
     def set(self, **values) -> "CheckpointView":

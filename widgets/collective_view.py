@@ -24,7 +24,7 @@ from labkit.collectives.record import Recording
 
 from . import _style as S
 from ._pool import prepare
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["CollectiveView", "collective_frame"]
 
@@ -151,10 +151,10 @@ def collective_frame(rec: Recording, step: int, transpose: bool = False) -> dict
     return {"inputs": inputs, "state": state, "annotations": labels + arrows, "layout": layout}
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     common = dict(coloraxis="coloraxis", xgap=3, ygap=3, texttemplate="%{text}",
                   textfont=dict(size=11), hoverinfo="text", x=[], y=[], z=[], text=[])
-    return go.FigureWidget(
+    return go.Figure(
         data=[go.Heatmap(name="inputs", **common), go.Heatmap(name="state", **common)],
         layout=dict(template="plotly_white", plot_bgcolor="#EEEEEE", height=300,
                     margin=dict(l=70, r=20, t=70, b=30), title=dict(text="no run yet",
@@ -173,6 +173,7 @@ class CollectiveView(StaticFigure, W.VBox):
         op, algorithm, n: what to run first; ``algorithm=None`` picks the op's hand-built
             one; ``n=None`` all of the cluster's ranks.
         run: run at once (default True when a cluster is given).
+        transpose: start in the transpose view (all-to-all only).
         **run_kwargs: passed to :func:`labkit.collectives.jobs.run` (``inputs``,
             ``dtype``, ``reduce``, ``root``, ``m``).
 
@@ -183,7 +184,8 @@ class CollectiveView(StaticFigure, W.VBox):
     """
 
     def __init__(self, cluster=None, op: str = "all_reduce", algorithm: Optional[str] = None,
-                 n: Optional[int] = None, run: Optional[bool] = None, **run_kwargs):
+                 n: Optional[int] = None, run: Optional[bool] = None, transpose: bool = False,
+                 **run_kwargs):
         super().__init__()
         self.cluster, self.run_kwargs = cluster, run_kwargs
         self.result, self.recording, self._quiet = None, None, False
@@ -191,14 +193,18 @@ class CollectiveView(StaticFigure, W.VBox):
         n = max_n if n is None else n
         short = {"description_width": "36px"}  # labels fit; the default 80 px clips none
         self.op = W.Dropdown(options=list(OPS), value=op, description="op", style=short,
+                             tooltip="the collective to run",
                              layout=W.Layout(width="200px"))
         self.algorithm = W.Dropdown(options=list(ALGORITHMS[op]),
                                     value=algorithm or HAND_BUILT[op], description="algorithm",
+                                    tooltip="native (torch.distributed) or hand-built",
                                     style={"description_width": "68px"},
                                     layout=W.Layout(width="260px"))
         self.n = W.IntSlider(value=n, min=2, max=max(max_n, 2), description="N", style=short,
+                             tooltip="ranks taking part",
                              continuous_update=False, layout=W.Layout(width="220px"))
         self.step = W.IntSlider(value=0, min=0, max=0, description="step", style=short,
+                                tooltip="round of messages to show",
                                 continuous_update=False, layout=W.Layout(width="300px"))
         self.play = W.Play(value=0, min=0, max=0, interval=900, description="play")
         W.link((self.play, "value"), (self.step, "value"))
@@ -208,6 +214,7 @@ class CollectiveView(StaticFigure, W.VBox):
         self.prev_button.on_click(lambda _b: self._nudge(-1))
         self.next_button.on_click(lambda _b: self._nudge(+1))
         self.transpose = W.Checkbox(value=False, description="transpose view",
+                                    tooltip="inputs beside the final outputs",
                                     indent=False, layout=W.Layout(width="150px"))
         self.status = W.HTML()
         self.info = W.HTML()
@@ -216,13 +223,16 @@ class CollectiveView(StaticFigure, W.VBox):
             w.observe(self._on_config, names="value")
         self.step.observe(lambda _c: self._redraw(), names="value")
         self.transpose.observe(lambda _c: self._redraw(), names="value")
+        self._sync_transpose()
+        if transpose and op == "all_to_all":
+            self.transpose.value = True
+        if run if run is not None else cluster is not None:
+            self.rerun()
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
         self.children = [W.HBox([self.op, self.algorithm, self.n]),
                          W.HBox([self.play, self.prev_button, self.step, self.next_button,
                                  self.transpose]),
                          self.status, self.fig, self.info]
-        self._sync_transpose()
-        if run if run is not None else cluster is not None:
-            self.rerun()
 
     # -- controls ------------------------------------------------------------------
     def set(self, **values) -> "CollectiveView":

@@ -31,7 +31,7 @@ import plotly.graph_objects as go
 from labkit.trace import COMPUTE, MARK, Trace
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["TimelineView", "timeline_traces", "ALL_STEPS"]
 
@@ -232,11 +232,12 @@ class TimelineView(StaticFigure, W.VBox):
                                         description="step", tooltip="show one training step",
                                         style={"description_width": "40px"},
                                         layout=W.Layout(width="280px"))
-        self.fig = go.FigureWidget(data=_empty_traces(), layout=_base_layout())
+        self.fig = go.Figure(data=_empty_traces(), layout=_base_layout())
         self.step_selector.observe(self._on_step, names="value")
-        self.children = [self.step_selector, self.fig]
         if result is not None:
             self.update(result)
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
+        self.children = [self.step_selector, self.fig]
 
     # -- data in -------------------------------------------------------------------
     def update(self, result: Union["object", Trace]) -> "TimelineView":
