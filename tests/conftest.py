@@ -276,7 +276,9 @@ def _cluster(world_size: int):
     import labkit
 
     torch.set_num_threads(1)  # the caller computes references; leave cores to the ranks
-    c = labkit.Cluster(world_size, backend="gloo", device="cpu")
+    # replace=False: a test that starts its own Cluster of the same size must not stop
+    # the shared pool (nor be stopped by it)
+    c = labkit.Cluster(world_size, backend="gloo", device="cpu", replace=False)
     try:
         yield c
     finally:
