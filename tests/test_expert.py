@@ -207,9 +207,10 @@ def test_all_to_all_bytes_equal_the_formula_from_the_counts(cluster4, ep, dp):
     assert any(o["routing"][0]["dropped"] != [0, 0] for o in r.outputs)  # drops are not sent
 
 
-def test_expected_bytes_count_microbatches_and_recomputation(cluster4):
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_expected_bytes_count_microbatches_and_recomputation(cluster4, policy):
     cfg = BASE.replace(steps=2, return_state=False, return_grads=False, dp=2, ep=2,
-                       micro_batch=1, checkpoint="full")
+                       micro_batch=1, checkpoint=policy)
     r = cluster4.run(jobs.train, cfg)
     for rank in range(2):
         for s in range(cfg.steps):

@@ -115,7 +115,7 @@ def a2a_bytes_expected(result, rank: int, step: int) -> dict:
         f = a2a_bytes_formula([k[layer] for k in kept], me, h, elem)
         d_sent, d_recv = f["dispatch_sent"], f["dispatch_recv"]
         counts = f["counts_sent"] * cfg.accum_steps
-        passes = ("forward",)
+        passes = ("forward", "recompute") if cfg.checkpoint != "none" else ("forward",)
         for p in passes:
             out[(layer, "counts", p)] = [counts, counts]
             out[(layer, "dispatch", p)] = [d_sent, d_recv]
