@@ -221,6 +221,31 @@ def test_expected_bytes_count_microbatches_and_recomputation(cluster4, policy):
         a2a_bytes_expected(dataclasses.replace(r, config=cfg.replace(pp=2, dp=1)), 0, 0)
 
 
+def test_bf16_moves_rows_at_half_width_and_stays_near_fp32(cluster4):
+    """Under bf16 autocast the MoE combine sums in the residual stream's fp32 (the dense path
+    and the dispatcher alike), and the dispatcher moves rows at 2 bytes per element: the
+    traced all-to-alls equal the formula with b = 2, and the job predicts them."""
+    cfg = BASE.replace(steps=2, return_state=False, return_grads=False, dp=2, ep=2,
+                       precision="bf16")
+    r = cluster4.run(jobs.train, cfg)
+    dense = cluster4.run(jobs.train, cfg.replace(ep=1))
+    fp32 = cluster4.run(jobs.train, cfg.replace(precision="fp32"))
+    assert r.losses != fp32.losses  # it really ran in bf16
+    for other in (dense, fp32):
+        assert max(abs(a - b) for a, b in zip(r.losses, other.losses)) < 1e-2
+    h = cfg.model_config.d_model
+    for rank in range(2):
+        for s in range(cfg.steps):
+            traced = a2a_bytes_from_trace(r.trace.events, rank=rank, step=s)
+            assert traced == a2a_bytes_expected(r, rank, s)
+            kept = [r.outputs[j]["routing"][s]["kept"][0] for j in range(2)]
+            assert traced[(0, "dispatch", "forward")][0] == \
+                a2a_bytes_formula(kept, rank, h, 2)["dispatch_sent"]
+        m = r.metrics[rank]
+        assert m["comm_bytes_by_axis"]["ep"] == m["comm_predicted_by_axis"]["ep"]
+    assert a2a_bytes_expected(dense, 0, 0) == {} == a2a_bytes_from_trace(dense.trace.events)
+
+
 def test_expert_memory_is_divided_by_ep(cluster4):
     mc = PRESETS["tiny-moe"]
     full = expert_numel(mc)

@@ -100,7 +100,10 @@ def dense_experts(x: torch.Tensor, routing: Routing, experts: Experts) -> torch.
     for e in range(experts.n_local):
         tok, slot = ((routing.experts == e) & routing.keep).nonzero(as_tuple=True)
         y = experts.expert(e, x[tok])
-        out = out.index_add(0, tok, y * routing.weights[tok, slot, None].to(y.dtype))
+        # combined in x's dtype: under bf16 autocast the experts return bf16 rows, while the
+        # residual stream (and this sum) stays fp32
+        w = routing.weights[tok, slot, None].to(out.dtype)
+        out = out.index_add(0, tok, y.to(out.dtype) * w)
     return out
 
 

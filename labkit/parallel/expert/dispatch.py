@@ -109,7 +109,12 @@ class ExpertParallelDispatcher:
         input_splits = counts.view(p, n_local).sum(1).tolist()
         output_splits = recv.sum(1).tolist()
         # 3. dispatch
-        rows = AllToAllV.apply(x[token], output_splits, input_splits, self.group, self.axis,
+        send = x[token]
+        if torch.is_autocast_enabled(x.device.type):
+            # the experts' matmuls cast their input to the autocast dtype anyway: move the
+            # rows at that width (half the bytes under bf16), with the same arithmetic
+            send = send.to(torch.get_autocast_dtype(x.device.type))
+        rows = AllToAllV.apply(send, output_splits, input_splits, self.group, self.axis,
                                {"phase": "dispatch", **tags})
         # 4. local experts: source-major rows → grouped by local expert → back
         local = torch.arange(n_local, device=x.device).repeat(p)
@@ -121,5 +126,6 @@ class ExpertParallelDispatcher:
         # 5. combine: rows back to their senders, weighted, summed per token
         back = AllToAllV.apply(outs, input_splits, output_splits, self.group, self.axis,
                                {"phase": "combine", **tags})
-        weight = routing.weights.reshape(-1)[choice].to(back.dtype)
-        return torch.zeros_like(x).index_add(0, token, back * weight[:, None])
+        # weighted and summed in x's dtype, as the dense path does (bf16 autocast: fp32 sum)
+        weight = routing.weights.reshape(-1)[choice].to(x.dtype)
+        return torch.zeros_like(x).index_add(0, token, back.to(x.dtype) * weight[:, None])

@@ -94,7 +94,8 @@ def a2a_bytes_expected(result, rank: int, step: int) -> dict:
     The bytes are linear in the counts, so the step's summed counts give the sum over its
     forwards (microbatches) exactly; each forward also exchanges the counts once, and a
     checkpoint policy's recomputed forward repeats the count exchange, dispatch and combine
-    (``pass="recompute"``). Elements are 2 bytes under ``precision="bf16"``, else 4.
+    (``pass="recompute"``). Elements are 2 bytes under ``precision="bf16"`` (the dispatcher
+    moves rows at the autocast width), else 4. ``{}`` when ``ep`` is 1.
 
     Returns:
         ``{(layer, phase, pass): [sent, recv]}`` bytes, the keys of the trace's sums.
@@ -107,6 +108,8 @@ def a2a_bytes_expected(result, rank: int, step: int) -> dict:
     if cfg.parallel.pp > 1:
         raise ValueError(f"a2a_bytes_expected reads runs with pp=1, got pp={cfg.parallel.pp}")
     peers = cfg.mesh.group(rank, "ep")
+    if len(peers) == 1:  # the experts are local: no all-to-all at all
+        return {}
     me, elem, h = peers.index(rank), 2 if cfg.precision == "bf16" else 4, \
         cfg.model_config.d_model
     kept = [result.outputs[j]["routing"][step]["kept"] for j in peers]
