@@ -9,7 +9,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from labkit.parallel.dp import DataParallel, torch_ddp
-from labkit.parallel.fsdp import FullyShardedDataParallel, hsdp_groups
+from labkit.parallel.zero.fsdp import FullyShardedDataParallel, hsdp_groups
 from labkit.parallel.zero import ZeroDataParallel
 
 MIB2 = (512, 1024)  # 2 MiB of fp32

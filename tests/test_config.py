@@ -94,6 +94,8 @@ def test_cluster_validates_before_launch(cluster2):
     pids = cluster2.pids
     with pytest.raises(ValueError, match=r"= 4 ranks but the cluster has world_size=2"):
         cluster2.run(jobs.train, RunConfig().replace(dp=4))
+    with pytest.raises(ValueError, match=r"100000 layers.*more than 90% of the"):
+        cluster2.run(jobs.train, RunConfig(model=ModelConfig(n_layers=100000)).replace(pp=2))
     assert cluster2.pids == pids  # nothing was restarted
 
 

@@ -11,7 +11,7 @@ import torch
 from jobs_dp import PATTERNS, collective_sequence, dense_experts_reference, mlp_reference
 
 import labkit
-from labkit.parallel.ordered import CollectiveProgram, OrderError, backward_program
+from labkit.parallel.dp.ordered import CollectiveProgram, OrderError, backward_program
 
 pytestmark = pytest.mark.distributed
 

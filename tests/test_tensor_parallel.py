@@ -281,16 +281,16 @@ def test_tp_vs_pp_bytes(request, cluster4):
     """C33: for the same model and batch, 4-way TP sends 4·L·(T−1)/T times what an inner
     pipeline stage sends (one B·S·H tensor per microbatch each way), measured from both
     jobs' traces."""
-    from labkit.parallel.pipeline.config import PipelineConfig
-    from labkit.parallel.pipeline.jobs import pipeline_train
+    from labkit import jobs
+    from labkit.config import RunConfig
 
     m = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, seq_len=16,
                     tie_embeddings=False)  # the pipeline job trains on bytes
     b, micro = 8, 4
     want = tp_vs_pp_bytes(b, m.seq_len, m.d_model, m.n_layers, 4, microbatches=micro)
-    pp = cluster4.run(pipeline_train, PipelineConfig(model=m, pp=4, microbatches=micro,
-                                                     global_batch=b, steps=1,
-                                                     measure_memory=False))
+    pp = cluster4.run(jobs.train, RunConfig(model=m, global_batch=b, microbatches=micro,
+                                            steps=1, measure_memory=False,
+                                            count_flops=False).replace(pp=4))
     sends = [pp.trace.comm_bytes(rank, op="send", step=0) for rank in range(4)]
     assert sends == [want["pp_edge"], want["pp_inner"], want["pp_inner"], want["pp_edge"]]
     run = TPRun(model=m, tp=4, batch=b)

@@ -11,7 +11,7 @@
   workers (the degrees multiply to ``WORLD_SIZE``); rank 0 prints the same report
   (:mod:`.launch`).
 * ``labkit plan memory --params 7.5e9 --ranks 64 --zero 3``: model-state bytes per rank
-  (:mod:`labkit.plan.cli` when the planner provides it, else :mod:`.plan`).
+  ``labkit plan layout | search | validate | presets``: :mod:`labkit.plan.cli`.
 * ``labkit bench collectives ...``: :mod:`labkit.collectives.bench` (:mod:`.bench`).
 
 Bad input is one line ``error: ...`` naming the field and the numbers, exit code 2, before
@@ -26,21 +26,10 @@ from typing import Optional, Sequence
 from . import bench
 from .common import Parser, UsageError, print_error, under_torchrun
 from .launch import cmd_run
+from ..plan.cli import add_plan_parser
 from .run import add_run_arguments
 
 __all__ = ["main", "build_parser", "under_torchrun", "UsageError"]
-
-
-def _plan_parser():
-    """``add_plan_parser`` of the full planner (``labkit.plan.cli``) when present, else
-    this package's ``plan memory``."""
-    try:
-        from ..plan.cli import add_plan_parser
-    except ModuleNotFoundError as exc:
-        if exc.name != "labkit.plan.cli":
-            raise
-        from .plan import add_plan_parser
-    return add_plan_parser
 
 
 def build_parser(bench_module=None) -> Parser:
@@ -58,7 +47,7 @@ def build_parser(bench_module=None) -> Parser:
                        "measured beside predicted.")
     add_run_arguments(r)
     r.set_defaults(func=cmd_run)
-    _plan_parser()(sub)
+    add_plan_parser(sub)
     bench.add_bench_parser(sub, bench_module)
     return p
 

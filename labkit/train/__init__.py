@@ -24,6 +24,7 @@ import contextlib
 import torch
 
 from .. import comm
+from ..config import RunConfig
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
@@ -43,7 +44,7 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float().cpu() for _, p in unique_parameters(model)])
 
 
-def run(ctx, cfg) -> dict:
+def run(ctx, cfg: RunConfig) -> dict:
     """Train ``cfg`` (a :class:`labkit.config.RunConfig`) on this rank.
 
     Returns plain data: ``{"losses": [global mean loss per step, the same on every rank],
@@ -101,6 +102,8 @@ def run(ctx, cfg) -> dict:
             ep = ep_predicted(ctx, setup, log, timed)
             metrics["comm_predicted_by_axis"]["ep"] = ep
             metrics["comm_bytes_predicted"] += sum(ep.values())
+    if setup.cp_core is not None:
+        metrics["cp"] = _cp_metrics(ctx, setup, timed)
     if cfg.zero_stage == 3 and setup.sharded:
         metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
     metrics.update(flops_and_mfu(ctx, setup, step_time))
@@ -113,6 +116,26 @@ def run(ctx, cfg) -> dict:
     if cfg.return_state:
         out["state"] = _rank_state(setup)
     return out
+
+
+def _cp_metrics(ctx, setup: RankSetup, step: int) -> dict:
+    """Context parallelism on this rank: the attention work its own counter saw per step
+    (unmasked query-key pairs × batch rows × heads, by phase; every step does the same) beside
+    the closed form, the K/V working set, and for the ring the fraction of send/recv time
+    hidden under block compute in ``step`` (a timing)."""
+    from ..parallel.context.measure import ring_overlap, work_closed_form
+
+    cfg, mg = setup.cfg, setup.mg
+    mc, p = cfg.model_config, cfg.parallel
+    work = setup.cp_core.counter.to_dict()
+    per_step = {ph: n // cfg.steps for ph, n in work["pairs"].items()}
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    one = work_closed_form(cfg.cp_method, mg.index("cp"), p.cp, mc.seq_len, cfg.cp_zigzag,
+                           True, cfg.micro, mc.n_heads // p.tp)
+    return {"work": per_step, "work_formula": one * layers * cfg.accum_steps,
+            "kv_working_set": work["kv_bytes"],
+            "ring_overlap": ring_overlap(ctx.tracer.events, ctx.rank)
+            if cfg.cp_method == "ring" else None}
 
 
 def _global_losses(ctx, setup: RankSetup, shares: list) -> list:

@@ -257,7 +257,7 @@ def _data_parallel(setup: RankSetup) -> None:
     if cfg.impl == "torch":
         setup.forward = {s: _torch_fsdp(setup, m) for s, m in setup.stages.items()}
         return
-    from ..parallel.fsdp import FullyShardedDataParallel
+    from ..parallel.zero import FullyShardedDataParallel
     from ..parallel.zero import ZeroDataParallel
 
     shard = mg.group("fsdp") if mg.size("fsdp") > 1 else mg.cache.get(mg.ranks("fsdp"))

@@ -1,11 +1,11 @@
 """The sharded data-parallel base class that ZeRO-1/2 (:mod:`labkit.parallel.zero`) and
-ZeRO-3 / FSDP (:mod:`labkit.parallel.fsdp`) share: reduce-scatter each flat unit's
-(:mod:`labkit.parallel.flat`) gradient, HSDP all-reduce, AdamW over the shards, full state
+ZeRO-3 / FSDP (:mod:`labkit.parallel.zero.fsdp`) share: reduce-scatter each flat unit's
+(:mod:`labkit.parallel.zero.flat`) gradient, HSDP all-reduce, AdamW over the shards, full state
 for checks.
 
 Order. Reduce-scatters go out in one canonical unit order on every rank — the reverse of
 the unit list, i.e. last block first and the root (whose embedding gradient completes last)
-at the end — through a :class:`~labkit.parallel.ordered.CollectiveProgram` per synced
+at the end — through a :class:`~labkit.parallel.dp.ordered.CollectiveProgram` per synced
 backward: a unit whose gradient is ready waits for the units before it. When the backward
 ends, units that received no gradient in it send what they hold (zeros at least), so every
 rank has issued the same collectives before anything else runs.
@@ -25,18 +25,18 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import comm
-from ..trace import current_tracer, use_tracer
-from .dp import check_reduce_op, ignored_ids, unique_parameters
+from ... import comm
+from ...trace import current_tracer, use_tracer
+from ..dp import check_reduce_op, ignored_ids, unique_parameters
 from .flat import FlatUnit, build_units
-from .ordered import CollectiveProgram, at_end_of_backward, grad_stamp
+from ..dp.ordered import CollectiveProgram, at_end_of_backward, grad_stamp
 
 __all__ = ["ShardedDataParallel"]
 
 
 class ShardedDataParallel(nn.Module):
     """Shared machinery of ZeRO-1/2 (:class:`labkit.parallel.zero.ZeroDataParallel`) and ZeRO-3
-    (:class:`labkit.parallel.fsdp.FullyShardedDataParallel`).
+    (:class:`labkit.parallel.zero.fsdp.FullyShardedDataParallel`).
 
     Per step: ``forward`` + ``backward`` per microbatch (stage 1 syncs only where
     ``require_sync`` is set), ``finish_gradient_sync()``, ``optimizer.step()``,

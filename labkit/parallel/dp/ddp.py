@@ -16,7 +16,7 @@ Two modes:
   backward produces their gradients); when the last gradient of a bucket is accumulated, a
   post-accumulate hook copies the bucket into a flat buffer and launches an async
   all-reduce, so communication overlaps the rest of backward. Buckets go out in index order
-  on every rank (:mod:`labkit.parallel.ordered`): a ready bucket waits for the earlier
+  on every rank (:mod:`labkit.parallel.dp.ordered`): a ready bucket waits for the earlier
   ones, since a rank whose backward runs in another order would otherwise pair its bucket
   0 with another rank's bucket 1.
 
@@ -36,7 +36,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from .. import comm
+from ... import comm
 from .ordered import CollectiveProgram, at_end_of_backward, grad_stamp, same_stamp
 
 __all__ = ["DataParallel", "unique_parameters", "torch_ddp", "check_reduce_op",

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ... import comm
 
 __all__ = ["hsdp_groups"]
 

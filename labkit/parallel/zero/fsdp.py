@@ -7,15 +7,15 @@ before backward; reduce-scatter the gradient and free it; each rank updates its 
 are FSDP's (Zhao et al. 2023, "PyTorch FSDP", §3.2–3.3, §4.1):
 
 * **Forward.** A forward pre-hook on the unit's module waits for (or issues) the unit's
-  all-gather into ``flat`` and installs the parameter views (see :mod:`labkit.parallel.flat`);
+  all-gather into ``flat`` and installs the parameter views (see :mod:`labkit.parallel.zero.flat`);
   with ``prefetch`` it then issues the *next* unit's all-gather asynchronously, so the
   transfer runs (gloo's worker thread) while this unit computes. A forward hook frees the
   unit (``flat``'s storage is resized to 0 — the saved views keep pointing at that same
   storage) and registers a tensor hook on the unit's output.
-* **One order on every rank** (:mod:`labkit.parallel.ordered`). Forward all-gathers go out
+* **One order on every rank** (:mod:`labkit.parallel.dp.ordered`). Forward all-gathers go out
   in unit-list order: a unit needed early first issues those before it, and units a forward
   skipped are gathered and freed at its end. Backward is one program
-  (:func:`~labkit.parallel.ordered.backward_program`): root, then the blocks last to first,
+  (:func:`~labkit.parallel.dp.ordered.backward_program`): root, then the blocks last to first,
   each block's reduce-scatter right after the next gather. Ranks whose orders differ by
   adjacent units get the same sequence; wider differences raise ``OrderError``.
 * **Turn.** The root unit (embedding, final norm, head: it finishes forward last) stays
@@ -53,11 +53,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .. import comm
-from ..trace import COMPUTE, Event, current_tracer
+from ... import comm
+from ...trace import COMPUTE, Event, current_tracer
 from .flat import FlatUnit
 from .hsdp import hsdp_groups  # re-exported
-from .ordered import CollectiveProgram, backward_program
+from ..dp.ordered import CollectiveProgram, backward_program
 from .sharded import ShardedDataParallel
 
 __all__ = ["FullyShardedDataParallel", "hsdp_groups"]
@@ -73,14 +73,14 @@ class FullyShardedDataParallel(ShardedDataParallel):
         keep_last: keep the root unit gathered across the forward→backward turn.
         mixed_precision: bf16 parameters, gradients and traffic; fp32 master shards.
         reduce_op, ignored_params, max_inflight, axis: see
-            :class:`~labkit.parallel.sharded.ShardedDataParallel`.
+            :class:`~labkit.parallel.zero.sharded.ShardedDataParallel`.
 
     Per step: ``forward``/``backward``, ``finish_gradient_sync()``, ``optimizer.step()``,
     ``after_step()``, ``zero_grad()`` (see :class:`ShardedDataParallel`).
 
     Raises:
         OrderError: (in backward) this rank's backward order is not servable in the
-            canonical order (see :mod:`labkit.parallel.ordered`).
+            canonical order (see :mod:`labkit.parallel.dp.ordered`).
         RuntimeError: a unit's forward ran outside this wrapper's forward while it was
             not gathered.
         ValueError: (in forward) a unit is part of a multi-block checkpoint segment.

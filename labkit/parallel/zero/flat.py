@@ -1,5 +1,5 @@
 """Flat units: the parameter layout that ZeRO-1/2 (:mod:`labkit.parallel.zero`) and ZeRO-3 /
-FSDP (:mod:`labkit.parallel.fsdp`) share through :mod:`labkit.parallel.sharded`.
+FSDP (:mod:`labkit.parallel.zero.fsdp`) share through :mod:`labkit.parallel.zero.sharded`.
 
 A **flat unit** (:class:`FlatUnit`) per transformer block, plus one *root* unit for every
 parameter outside the blocks (embedding, final norm, head; a tied embedding/head pair is
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from .dp import unique_parameters
+from ... import comm
+from ..dp import unique_parameters
 
 __all__ = ["FlatUnit", "build_units"]
 

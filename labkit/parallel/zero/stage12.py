@@ -9,10 +9,10 @@ stage    what is sharded                            communication per step
 =======  =========================================  ==========================================
 1        optimizer state (8Ψ → 8Ψ/N)                reduce-scatter grads + all-gather params
 2        + gradients (4Ψ → 4Ψ/N)                    the same, 2·(N−1)/N·Ψ·elem, as DP (§7.2.1)
-3        + parameters (:mod:`labkit.parallel.fsdp`)  3·(N−1)/N·Ψ·elem (§7.2.2)
+3        + parameters (:mod:`labkit.parallel.zero.fsdp`)  3·(N−1)/N·Ψ·elem (§7.2.2)
 =======  =========================================  ==========================================
 
-Design: the parameters live in flat units (:mod:`labkit.parallel.flat`), one per block
+Design: the parameters live in flat units (:mod:`labkit.parallel.zero.flat`), one per block
 plus a root unit, each packed into one padded buffer ``flat`` of which every rank owns the
 contiguous ``k = P/K`` element shard; AdamW sees only the shards.
 
@@ -43,10 +43,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .. import comm
-from ..trace import current_tracer
+from ... import comm
+from ...trace import current_tracer
 from .flat import FlatUnit
-from .ordered import grad_stamp, same_stamp
+from ..dp.ordered import grad_stamp, same_stamp
 from .sharded import ShardedDataParallel  # re-exported
 
 __all__ = ["FlatUnit", "ShardedDataParallel", "ZeroDataParallel"]
@@ -55,18 +55,18 @@ __all__ = ["FlatUnit", "ShardedDataParallel", "ZeroDataParallel"]
 class ZeroDataParallel(ShardedDataParallel):
     """ZeRO stage 1 or 2 (see the module docstring); ``stage`` defaults to 2.
 
-    Args and per-step use: see :class:`labkit.parallel.sharded.ShardedDataParallel`.
+    Args and per-step use: see :class:`labkit.parallel.zero.sharded.ShardedDataParallel`.
 
     Raises:
         ValueError: ``stage`` not 1 or 2 (stage 3 is
-            :class:`labkit.parallel.fsdp.FullyShardedDataParallel`).
+            :class:`labkit.parallel.zero.fsdp.FullyShardedDataParallel`).
     """
 
     def __init__(self, module: nn.Module, shard_group=None, replicate_group=None, *,
                  stage: int = 2, **kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel is ZeRO stage 1 or 2, got {stage!r}; use "
-                             "labkit.parallel.fsdp.FullyShardedDataParallel for stage 3")
+                             "labkit.parallel.zero.fsdp.FullyShardedDataParallel for stage 3")
         super().__init__(module, shard_group, replicate_group, stage=stage, **kwargs)
 
     @contextmanager
