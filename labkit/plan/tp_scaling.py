@@ -58,7 +58,7 @@ def tp_efficiency(tp: int, *, hidden: int, seq: int, batch: int = 1,
     if not 0 <= overlap <= 1:
         raise ValueError(f"overlap must be in [0, 1], got {overlap!r}")
     compute = 72 * batch * seq * hidden ** 2 / (tp * peak_flops * mfu)
-    bw = node_bw if tp < gpus_per_node else cross_node_bw
+    bw = node_bw if tp <= gpus_per_node else cross_node_bw
     comm_bytes = 4 * 2 * (tp - 1) / tp * batch * seq * hidden * bytes_per_elem
     comm = comm_bytes / bw * (1 - overlap)
     eff = compute / (compute + comm)
