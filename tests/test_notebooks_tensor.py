@@ -113,6 +113,27 @@ def test_c25_c26_bytes_per_block_equal_the_formula(cells):  # claims C25, C26
     assert out.count("every rank, every block, both passes == formula: True") == 4
 
 
+def test_each_collective_sends_its_ring_share(cells):  # claims C25, C26
+    """One call at a time: an all-reduce 2(T−1)/T·B·S·H·4 bytes, an all-gather or a
+    reduce-scatter half that, 8 of each kind per rank per step in the 2 blocks."""
+    out = _checked_output(cells, "ACT_SITES")
+    rows = re.findall(r"^(tp\d(?:-sp)?)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+); every call on "
+                      r"every rank: (\w+)$", out, re.M)
+    seen = {}
+    for name, op, calls, got, formula, rule, ok in rows:
+        t, sp = RUNS[name]
+        k = 2 if op == "all_reduce" else 1
+        want = k * (t - 1) / t * B * TINY.seq_len * TINY.d_model * 4
+        assert int(got) == int(formula) == want and ok == "True"
+        assert rule == ("2" if k == 2 else "") + "(T−1)/T·B·S·H·4"
+        assert int(calls) == 2 * 2 * TINY.n_layers
+        seen.setdefault(name, []).append(op)
+    assert seen == {"tp2": ["all_reduce"], "tp4": ["all_reduce"],
+                    "tp2-sp": ["all_gather", "reduce_scatter"],
+                    "tp4-sp": ["all_gather", "reduce_scatter"]}
+    assert len(out.splitlines()) == 1 + len(rows)
+
+
 def test_whole_step_tp_bytes_equal_the_jobs_prediction(cells):
     out = _checked_output(cells, "comm_predicted_by_axis")
     sent = [ast.literal_eval(s) for s in re.findall(r"sent per step (\{.*\})", out)]
