@@ -75,7 +75,7 @@ def test_c24_column_then_row_needs_nothing_in_between(cells):  # claim C24
     assert "rank i: A_i (16, 16), B_i (16, 16), Z_i (2, 8, 16)" in out
     assert "== Z (one all-reduce at the end): True" in out
     assert "an all-reduce is needed before GeLU: True" in out
-    out = _checked_output(cells, 'runs = {"tp2": run(tp=2)}')
+    out = _checked_output(cells, 'runs = {"tp2": tp_run(2)}')
     block = ("forward attn_out all_reduce, forward mlp_out all_reduce, "
              "backward mlp_in all_reduce, backward attn_in all_reduce")
     outside = ("forward emb_out all_reduce, forward loss all_reduce, forward loss all_reduce, "
@@ -236,3 +236,13 @@ def test_the_cluster_outlives_the_notebook(cells):
     source = "\n".join(c.source for c in cells)
     assert "lk.Cluster(4)" in source and "TimelineView(" in source
     assert ".close()" not in source
+
+
+def test_every_run_is_the_one_training_job(cells):
+    """TP and TP+SP go through labkit.train.run with the degrees in RunConfig.parallel."""
+    source = "\n".join(c.source for c in cells)
+    assert "from labkit.train import reference, run" in source
+    assert "BASE.replace(parallel=dict(tp=tp), sequence_parallel=sp)" in source
+    assert "tp_run(2, sp=True)" in source and "tp_run(4, sp=True)" in source
+    calls = re.findall(r"cluster\.run\((\w[\w.]*),", source)
+    assert calls and set(calls) == {"run"}, calls
