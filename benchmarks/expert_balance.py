@@ -2,7 +2,7 @@
 formula, and expert memory per rank, from real training runs of the one job (claim C37).
 
 For each aux-loss weight, trains ``tiny-moe`` (or ``--experts``/``--top-k`` variants) with
-``lk.jobs.train`` on ``--dp`` data ranks with the experts split over ``--ep`` of them, and
+``labkit.train.run`` on ``--dp`` data ranks with the experts split over ``--ep`` of them, and
 prints, per layer, the imbalance ``max/mean`` of the choices each expert received over all
 ranks (first step, last step, mean of the last quarter), the choices dropped under
 ``--capacity``, the traced all-to-all bytes of the last step beside the formula from the
@@ -21,6 +21,7 @@ import statistics
 import torch
 
 import labkit
+from labkit import train
 from labkit.config import PRESETS, RunConfig
 from labkit.models import count_params
 from labkit.parallel.expert import (a2a_bytes_expected, a2a_bytes_from_trace, expert_numel,
@@ -47,10 +48,10 @@ def main(argv=None) -> list:
             mc = dataclasses.replace(PRESETS["tiny-moe"], n_experts=args.experts,
                                      top_k=args.top_k, capacity_factor=args.capacity,
                                      aux_loss_weight=w, name=f"tiny-moe-aux{w:g}")
-            cfg = RunConfig(model=mc, steps=args.steps, lr=args.lr, global_batch=args.batch,
-                            count_flops=False, measure_memory=False,
-                            timeout_s=1800).replace(dp=dp, ep=args.ep)
-            r = cluster.run(labkit.jobs.train, cfg)
+            cfg = RunConfig(model=mc, parallel=dict(dp=dp, ep=args.ep), steps=args.steps,
+                            lr=args.lr, global_batch=args.batch, count_flops=False,
+                            measure_memory=False, timeout_s=1800)
+            r = cluster.run(train.run, cfg)
             outs = r.outputs
             for layer in range(mc.n_layers):
                 per_step = [imbalance([sum(o["routing"][s]["kept"][layer][e] for o in outs)

@@ -154,3 +154,12 @@ def test_cites_c37_and_the_cluster_outlives_the_notebook():
     source = "\n".join(c.source for c in nb.cells)
     assert "C37" in source and "lk.Cluster(4)" in source
     assert ".close()" not in source
+
+
+def test_every_run_is_the_one_training_job():
+    """Every training run goes through labkit.train.run, degrees in RunConfig.parallel."""
+    source = "\n".join(c.source for c in nbformat.read(NB, as_version=4).cells)
+    assert "from labkit import train" in source
+    assert "parallel=dict(dp=4, ep=4)" in source and "parallel=dict(dp=4, ep=ep)" in source
+    calls = re.findall(r"cluster\.run\((\w[\w.]*),", source)
+    assert len(calls) == 4 and set(calls) == {"train.run"}, calls

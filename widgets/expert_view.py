@@ -9,7 +9,7 @@ rank, column = receiving rank, colour = bytes) over all ranks, taken from the ev
 :mod:`labkit.comm` recorded on every rank; ``ep`` groups side by side show as blocks.
 ``Play`` walks through the step's all-to-alls in the order they ran.
 
-Everything drawn comes from a :func:`labkit.jobs.train` result (``outputs[r]["routing"]``
+Everything drawn comes from a :func:`labkit.train.run` result (``outputs[r]["routing"]``
 and the trace). Given a warm cluster, the aux-loss weight, capacity factor and top-k
 controls re-run that training with the change, and the view updates; :meth:`run` does the
 same for any config. ``figure()`` is a static snapshot for nbval and saved notebooks.
@@ -49,7 +49,7 @@ def routing_ranks(result) -> list:
     cfg = result.config
     if not (isinstance(result.outputs[0], dict) and "routing" in result.outputs[0]):
         raise ValueError("ExpertView shows a training run of a mixture-of-experts model "
-                         "(outputs[r]['routing']): run labkit.jobs.train with e.g. 'tiny-moe'")
+                         "(outputs[r]['routing']): run labkit.train.run with e.g. 'tiny-moe'")
     if cfg.parallel.pp > 1:
         raise ValueError(f"ExpertView draws runs with pp=1 (every rank routes every layer), "
                          f"got pp={cfg.parallel.pp}")
@@ -143,7 +143,7 @@ class ExpertView(StaticFigure, W.VBox):
     """Load heatmap + all-to-all replay of a mixture-of-experts training run.
 
     Args:
-        result: a ``RunResult`` of :func:`labkit.jobs.train` on a MoE model (``None``
+        result: a ``RunResult`` of :func:`labkit.train.run` on a MoE model (``None``
             until :meth:`update` or :meth:`run`).
         cluster: a warm :class:`labkit.Cluster`; with it the model controls re-run.
 
@@ -189,7 +189,7 @@ class ExpertView(StaticFigure, W.VBox):
     def run(self, config) -> "ExpertView":
         """Train ``config`` (a MoE ``RunConfig``) on the cluster and show the result; a
         refused config or a failed rank is shown in the status line."""
-        from labkit import jobs
+        from labkit import train
 
         if self.cluster is None:
             self.status.value = S.status_html("no cluster: pass one to ExpertView(result, "
@@ -197,7 +197,7 @@ class ExpertView(StaticFigure, W.VBox):
             return self
         self.status.value = S.status_html("training …", "busy")
         try:
-            result = self.cluster.run(jobs.train, config)
+            result = self.cluster.run(train.run, config)
             routing_ranks(result)
         except Exception as exc:  # noqa: BLE001 - shown in the widget, not raised
             self.status.value = S.status_html(f"{type(exc).__name__}: {exc}", "error")
