@@ -7,7 +7,7 @@ tokens routed to them and back by all-to-all (claim C37).
 * :mod:`.measure` — imbalance, the all-to-all bytes formula from the routed counts, and
   what a training run's trace should hold by that formula.
 
-The training job :func:`labkit.jobs.train` composes them (``RunConfig(...).replace(ep=...)``);
+The training job :func:`labkit.train.run` composes them (``RunConfig(parallel=dict(ep=...))``);
 :func:`labkit.train.reference` is its single-process ground truth.
 """
 from .apply import (ExpertParallelInfo, apply_expert_parallel, check_expert_parallel,

@@ -88,7 +88,7 @@ def expert_numel(model_config) -> int:
 
 def a2a_bytes_expected(result, rank: int, step: int) -> dict:
     """What :func:`a2a_bytes_from_trace` should find for ``rank`` in ``step`` of a training
-    run (``result`` of :func:`labkit.jobs.train` with a MoE model and ``ep > 1``), from the
+    run (``result`` of :func:`labkit.train.run` with a MoE model), from the
     kept counts every rank of its ``ep`` group returned in ``outputs[r]["routing"]``.
 
     The bytes are linear in the counts, so the step's summed counts give the sum over its
