@@ -13,7 +13,8 @@ split, tensor/sequence parallelism, checkpointing, ZeRO flat units, AdamW) for o
   Every collective and send/recv labkit issues (through :mod:`labkit.comm`, traced as usual)
   returns at once and moves nothing: outputs keep the shape the real call would give, so
   buffers are allocated and freed where the real code allocates and frees them, but values
-  are meaningless. Collectives between thousands of processes cannot run in one process;
+  are meaningless. A non-blocking send keeps its tensor alive until it is waited for, as
+  gloo and NCCL do. Collectives between thousands of processes cannot run in one process;
   this is the local, shape-correct stand-in.
 
 Data-dependent reads (``tensor.item()``, ``bool(tensor)``) have no value under fake tensors;
@@ -31,6 +32,7 @@ initialised (a rank of a real job).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Optional
@@ -58,6 +60,41 @@ class _ScalarStandIn(TorchDispatchMode):
                 return False
             return 1.0 if t.is_floating_point() else 1
         return func(*args, **(kwargs or {}))
+
+
+class _HeldWork:
+    """A point-to-point work that keeps its tensor alive until ``wait()``, as gloo's and
+    NCCL's works do (a sent activation is freed only after its send completes); the fake
+    backend's works keep nothing, which would free it early."""
+
+    def __init__(self, work, tensor):
+        self._work, self._tensor = work, tensor
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs) if self._work is not None else True
+        self._tensor = None
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _p2p_holds_tensors():
+    saved = {name: getattr(dist, name) for name in ("isend", "irecv")}
+
+    def holding(fn):
+        def call(tensor, *args, **kwargs):
+            return _HeldWork(fn(tensor, *args, **kwargs), tensor)
+        return call
+
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, holding(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 def _context(rank: int, world: int):
@@ -129,7 +166,8 @@ def fake_rank_memory(cfg, rank: int = 0) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         ctx = _context(rank, world)
-        with FakeTensorMode(allow_non_fake_inputs=True), _ScalarStandIn():
+        with _p2p_holds_tensors(), FakeTensorMode(allow_non_fake_inputs=True), \
+                _ScalarStandIn():
             out = train.run(ctx, cfg)
     finally:
         dist.destroy_process_group()
