@@ -2,8 +2,8 @@
 (:mod:`labkit.measure.fake_rank`).
 
 * On a shard small enough to run for real, the fake measurement of every rank equals the
-  real 4-rank job's tracked memory byte for byte (peak by category, model state, every
-  timeline mark): the same code allocated the same tensors.
+  real 4-rank job's tracked memory byte for byte (peak by category, model state, the marks
+  up to the first forward): the same code allocated the same tensors.
 * At cluster scale (Llama 3 405B, TP8 x PP14 x DP128 = 14,336 ranks, ZeRO-1, bf16, full
   recomputation), the measured model state equals the planner's to the byte (apart from
   Adam's 4-byte step counters) and the activations agree within the band stated in
@@ -45,7 +45,11 @@ def test_fake_measurement_equals_the_real_job_on_every_rank(cluster4, name):
         want, got = m["memory"], fake["memory"]
         assert got["peak"] == want["peak"], (name, m["rank"])
         assert got["model_state"] == want["model_state"], (name, m["rank"])
-        assert got["timeline"] == want["timeline"], (name, m["rank"])
+        # the marks exist alike; their bytes after the backward are not compared: in the real
+        # run a buffer's release can wait on gloo's background thread (seen: 26,752 bytes
+        # still held at the "optimizer" mark in one run of four)
+        assert [k for k, _ in got["timeline"]] == [k for k, _ in want["timeline"]]
+        assert got["timeline"][:2] == want["timeline"][:2], (name, m["rank"])
         assert got["peak"]["activations"] > 0
 
 

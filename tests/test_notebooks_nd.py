@@ -105,8 +105,8 @@ def test_parameter_bytes_are_the_planners_count_and_dp_moves_them(cells):
 def test_fake_tensor_memory_equals_the_real_runs(cells):
     out = _out(cells, "fake_rank_memory(BASE")
     for name in LAYOUTS:
-        assert (f"{name}: fake-tensor memory == real run's, every mark of the step, on ranks "
-                f"0-3: [True, True, True, True]") in out
+        assert (f"{name}: fake-tensor memory == real run's (peak by category, model state), "
+                f"ranks 0-3: [True, True, True, True]") in out
 
 
 def test_cluster_claims_c3_and_c36(cells):
