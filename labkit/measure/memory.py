@@ -90,9 +90,13 @@ def _categorize(dev_snap: Optional[dict]) -> dict[str, int]:
     return out
 
 
+#: what ``tensor.device`` of a fake tensor dispatches to (half the calls under fake tensors)
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
 def _make_tracker():
     from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
@@ -112,6 +116,11 @@ def _make_tracker():
                     del self.memory_tracking[module]  # a new iteration of the root module
             super()._pre_fw_hook(module, inputs)
 
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _DEVICE_QUERY:  # asks a tensor subclass its device: allocates nothing
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _track(self, reftype, t: torch.Tensor) -> None:
             if not self._in_opt:
                 return super()._track(reftype, t)
@@ -123,9 +132,16 @@ def _make_tracker():
                     self._opt_new.append((hit[0], weakref.ref(st)))
 
         def _update_peak_stats(self, peak_state) -> None:
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            if self._peak_mem == before:
+            # MemTracker also walks every module it has seen, at every operator, to keep
+            # per-module peaks; labkit reads only the device peak, and the walk made a
+            # tracked step of a many-layer stage cost milliseconds per operator
+            raised = False
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+                    raised = True
+            if not raised:
                 return
             if not self._in_opt:
                 self._pending = None

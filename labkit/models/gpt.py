@@ -211,6 +211,16 @@ def _target_device(device) -> torch.device:
     return torch.device(device) if device is not None else torch.get_default_device()
 
 
+def _build_device(target: torch.device) -> torch.device:
+    """Where layers are first built: ``meta`` (see :func:`_target_device`), or ``target``
+    itself under a ``FakeTensorMode``, which allocates nothing anyway and cannot move its
+    fake parameters with ``to_empty`` (it keeps weak references to them, so
+    ``torch.utils.swap_tensors`` refuses; torch 2.13)."""
+    from torch._guards import detect_fake_mode
+
+    return target if detect_fake_mode() is not None else torch.device("meta")
+
+
 def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
     """Normal(0, ``std``) for every Linear/Embedding weight, zero biases, ones for norms.
 
@@ -248,7 +258,8 @@ class GPT(nn.Module):
         if cfg.kind != "gpt":
             raise ValueError(f"GPT needs ModelConfig.kind='gpt', got {cfg.kind!r}")
         self.cfg = cfg
-        target, device = _target_device(device), "meta"  # see _target_device
+        target = _target_device(device)
+        device = _build_device(target)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, causal=True, attention=attention,
                                           device=device, dtype=dtype)
@@ -267,7 +278,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         #: global positions of this rank's tokens (int64 ``(S,)``), ``None`` = ``0 … S−1``
         self.positions: Optional[torch.Tensor] = None
-        if target.type != "meta":
+        if device != target:
             self.to_empty(device=target)
         self.reset_parameters()
 

@@ -1,0 +1,131 @@
+"""notebooks/10_nd_parallelism.ipynb as stored: what its checked cells expect.
+
+nbval re-runs the notebook and compares each ``# NBVAL_CHECK_OUTPUT`` cell's output with the
+stored one, which only proves the output did not change. These pure tests check that the
+stored outputs are the right ones, recomputed here independently: the mesh groups from
+``labkit.mesh.Mesh``, parity and byte predictions passing, each rank's parameter bytes from
+the planner's count, the data-parallel all-reduce moving exactly those bytes, the fake-tensor
+measurement equal to the real run, claims C3 and C36, and the 405B rank's shard size.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit.config import ParallelConfig, RunConfig
+from labkit.plan.estimate import _local_params
+from labkit.plan.layout import Layout, stage_layers
+from labkit.plan.models import plan_model
+
+NB = Path(__file__).resolve().parents[1] / "notebooks" / "10_nd_parallelism.ipynb"
+MARK = "NBVAL_CHECK_OUTPUT"
+LAYOUTS = {"dp2 x tp2": dict(dp=2, tp=2), "tp2 x pp2": dict(tp=2, pp=2)}
+
+
+@pytest.fixture(scope="module")
+def cells():
+    return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+def _checked(cells) -> list:
+    return [c for c in cells if MARK in c.source]
+
+
+def _out(cells, needle: str) -> str:
+    found = [c for c in _checked(cells) if needle in c.source]
+    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
+    return _text(found[0])
+
+
+def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):
+    checked = _checked(cells)
+    assert len(checked) >= 7
+    for c in checked:
+        assert _text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
+    for c in cells:
+        if MARK not in c.source:
+            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
+
+
+def test_stored_expectations_are_passes(cells):
+    text = "\n".join(_text(c) for c in _checked(cells))
+    assert not re.search(r"\bFalse\b|\bnan\b|≠", text), text
+
+
+def test_mesh_groups_and_coordinates_are_the_mesh(cells):
+    out = _out(cells, "mesh.index(r, a)")
+    for name, degrees in LAYOUTS.items():
+        mesh = RunConfig(parallel=ParallelConfig(**degrees)).mesh
+        assert f"{name}: {mesh}" in out
+        for r in range(4):
+            line = f"  rank {r}: " + ", ".join(f"{a}={mesh.index(r, a)}" for a in ("pp", "dp", "tp"))
+            assert line in out.splitlines(), line
+    # TP innermost: its groups are neighbouring ranks in both layouts (claim C34)
+    assert out.count("tp           groups: (0,1) (2,3)") == 2
+
+
+def test_parity_holds_for_both_layouts(cells):
+    out = _out(cells, "def worst")
+    for name in LAYOUTS:
+        assert (f"{name}: loss, parameters and gradients within 1e-5 on every rank: True; "
+                f"every parameter held by some rank: True") in out
+
+
+def _rank_params(name: str) -> list:
+    d = LAYOUTS[name]
+    lay = Layout(tp=d.get("tp", 1), pp=d.get("pp", 1), dp=d.get("dp", 1))
+    per_stage, _ = _local_params(plan_model("tiny"), lay, stage_layers(2, lay.pp))
+    # ranks are numbered with tp fastest; pp (or dp) outside it
+    return [int(per_stage[r // lay.tp if lay.pp > 1 else 0]) for r in range(4)]
+
+
+def test_parameter_bytes_are_the_planners_count_and_dp_moves_them(cells):
+    mem = _out(cells, "model state == prediction")
+    comm = _out(cells, "comm_bytes_by_axis")
+    for name in LAYOUTS:
+        for r, n in enumerate(_rank_params(name)):
+            line = next(x for x in mem.splitlines() if x.startswith(f"{name} rank {r}:"))
+            assert f"parameters {4 * n:>7,} B" in line, (line, n)
+            assert line.endswith("model state == prediction: True"), line
+            sent = next(x for x in comm.splitlines() if x.startswith(f"{name} rank {r}:"))
+            assert sent.endswith("== prediction: True"), sent
+            if name == "dp2 x tp2":  # ring all-reduce over 2 ranks sends 2(N-1)/N = 1x the bytes
+                assert f"'dp': {{'all_reduce': {4 * n}}}" in sent, sent
+            else:
+                assert "'dp'" not in sent and "'pp': {'send':" in sent, sent
+
+
+def test_fake_tensor_memory_equals_the_real_runs(cells):
+    out = _out(cells, "fake_rank_memory(BASE")
+    for name in LAYOUTS:
+        assert (f"{name}: fake-tensor memory == real run's (peak by category, model state), "
+                f"ranks 0-3: [True, True, True, True]") in out
+
+
+def test_cluster_claims_c3_and_c36(cells):
+    out = _out(cells, 'cluster_preset("llama3-24k")')
+    assert "24,576 GPUs x 80 GiB = 1.875 PiB" in out  # claim C3
+    lay = Layout(tp=8, pp=16, dp=128)
+    assert f"= 16,384 GPUs; rank 1234 has [TP, CP, PP, DP] = {lay.coords(1234)}" in out  # C36
+    assert "fits: True" in out
+
+
+def test_405b_rank_shard_and_model_state_agree_with_the_planner(cells):
+    out = _out(cells, "fake_rank_memory(big")
+    lay = Layout(tp=8, pp=14, dp=128)
+    n = int(_local_params(plan_model("llama3-405b"), lay, stage_layers(126, 14))[0][0])
+    total = plan_model("llama3-405b").params
+    assert f"rank 0 of 14,336: {n:,} parameters of {total:,}" in out
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    gib = 2 ** 30
+    for c, b in (("parameters", 2 * n), ("gradients", 2 * n), ("optimizer", 12 * n / 128)):
+        assert f"measured {b / gib:8.3f} GiB   planned {b / gib:8.3f} GiB" in rows[c], rows[c]
+    err = float(rows["activations"].rsplit("=", 1)[1])
+    assert 0 < err < 0.25, rows["activations"]  # the notebook's prose explains the sign

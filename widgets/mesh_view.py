@@ -1,0 +1,98 @@
+"""MeshView: the ranks of a :class:`labkit.mesh.Mesh` as a grid, one row per server, each
+rank coloured by its group along one axis (claims C7, C36).
+
+Ranks are numbered with TP innermost (``pp, dp_replicate, dp_shard, cp, tp`` outer to inner),
+so a server of ``gpus_per_server`` consecutive ranks holds whole tensor-parallel groups when
+``tp`` divides it: TP stays inside the server, the other axes cross servers (claim C34).
+Hovering a rank shows its ``[TP, CP, PP, DP]`` coordinates (Llama 3's order, Dubey et al.
+2024 §3.3.2) and the ranks of its group.
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+__all__ = ["MeshView", "mesh_figure", "AXIS_ROLE", "MAX_RANKS"]
+
+#: which activation axis each parallelism splits (claim C7)
+AXIS_ROLE = {"pp": "layers", "dp": "batch", "cp": "sequence", "tp": "channels"}
+#: larger meshes are refused: one box per rank stops being readable
+MAX_RANKS = 512
+_PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2",
+            "#FF9DA6", "#9D755D", "#BAB0AC")
+
+
+def _coords(mesh, rank: int) -> list:
+    """``[TP, CP, PP, DP]`` of ``rank`` (claim C36's order)."""
+    return [mesh.index(rank, a) for a in ("tp", "cp", "pp", "dp")]
+
+
+def mesh_figure(mesh, axis: str = "tp", gpus_per_server: int = 8) -> go.Figure:
+    """The figure of :class:`MeshView` (see there)."""
+    return MeshView(mesh, axis, gpus_per_server).figure
+
+
+class MeshView:
+    """Grid of ``mesh``'s ranks coloured by their ``axis`` group.
+
+    Args:
+        mesh: a :class:`labkit.mesh.Mesh` (at most :data:`MAX_RANKS` ranks).
+        axis: ``"tp"``, ``"cp"``, ``"pp"`` or ``"dp"``: whose groups share a colour.
+        gpus_per_server: ranks per row; a row is one server, outlined.
+
+    Attributes:
+        groups: the ``axis`` groups (tuples of ranks), one trace each, in trace order.
+        figure: the plotly figure: one scatter trace per group, one rectangle per server.
+
+    Raises:
+        ValueError: an unknown axis, ``gpus_per_server < 1``, or a mesh over
+            :data:`MAX_RANKS` ranks (naming the numbers).
+    """
+
+    def __init__(self, mesh, axis: str = "tp", gpus_per_server: int = 8):
+        if axis not in AXIS_ROLE:
+            raise ValueError(f"axis must be one of {', '.join(AXIS_ROLE)}, got {axis!r}")
+        if isinstance(gpus_per_server, bool) or not isinstance(gpus_per_server, int) \
+                or gpus_per_server < 1:
+            raise ValueError(f"gpus_per_server must be a positive int, got {gpus_per_server!r}")
+        if mesh.size > MAX_RANKS:
+            raise ValueError(f"a mesh of {mesh.size} ranks is over MeshView's {MAX_RANKS}; "
+                             "plan it with labkit.plan instead")
+        self.mesh, self.axis, self.width = mesh, axis, gpus_per_server
+        self.groups = mesh.groups(axis)
+        self.figure = self._draw()
+
+    def position(self, rank: int) -> tuple:
+        """``(column, row)`` of ``rank``: its slot in its server, and the server."""
+        return rank % self.width, rank // self.width
+
+    def _draw(self) -> go.Figure:
+        mesh, w = self.mesh, self.width
+        fig = go.Figure()
+        for i, group in enumerate(self.groups):
+            xs, ys, hover = [], [], []
+            for r in group:
+                x, y = self.position(r)
+                xs.append(x)
+                ys.append(y)
+                tp, cp, pp, dp = _coords(mesh, r)
+                hover.append(f"rank {r}<br>[TP, CP, PP, DP] = [{tp}, {cp}, {pp}, {dp}]<br>"
+                             f"{self.axis} group {i}: {list(group)}")
+            fig.add_scatter(x=xs, y=ys, mode="markers+text", text=[str(r) for r in group],
+                            hovertext=hover, hoverinfo="text", name=f"{self.axis} group {i}",
+                            marker=dict(symbol="square", size=34,
+                                        color=_PALETTE[i % len(_PALETTE)]),
+                            textfont=dict(color="white"))
+        servers = -(-mesh.size // w)
+        for s in range(servers):
+            n = min(w, mesh.size - s * w)
+            fig.add_shape(type="rect", x0=-0.5, x1=n - 0.5, y0=s - 0.45, y1=s + 0.45,
+                          line=dict(color="#555555", width=1, dash="dot"))
+        roles = ", ".join(f"{a}: {AXIS_ROLE[a]}" for a in ("pp", "dp", "cp", "tp")
+                          if mesh.degree(a) > 1)
+        fig.update_layout(template="plotly_white", height=120 + 60 * servers,
+                          title=f"{mesh.size} ranks, {servers} server(s) of {w}; colour = "
+                                f"{self.axis} group ({roles or 'no parallel axes'})",
+                          xaxis=dict(title="slot in the server", dtick=1, zeroline=False),
+                          yaxis=dict(title="server", dtick=1, autorange="reversed",
+                                     zeroline=False))
+        return fig
