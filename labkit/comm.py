@@ -25,6 +25,12 @@ gloo implements some collectives internally with other algorithms (for example
 all-reduce of large tensors without a ring, pytorch/pytorch#149869), so its wire bytes and
 timing are not always the ring's. Counting the algorithm's bytes keeps the numbers
 comparable to the lectures' formulas on every backend.
+
+So for the native collectives the bytes are the formula, not a measurement, and every such
+event says so: ``args["bytes"] == "formula"``. Point-to-point events (``send``/``recv``, and
+so labkit's hand-built algorithms in :mod:`labkit.collectives`, which are made of them)
+carry the payload each call really handed to the backend: ``args["bytes"] == "measured"``
+(payload only: headers and the transport's own traffic are not in it).
 """
 from __future__ import annotations
 
@@ -39,7 +45,11 @@ from .trace import COMM, P2P, Event, current_tracer
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
            "all_to_all_single",
            "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-           "barrier", "Handle", "group_size", "group_ranks", "nbytes"]
+           "barrier", "Handle", "group_size", "group_ranks", "nbytes", "BYTES_FORMULA",
+           "BYTES_MEASURED"]
+
+#: ``Event.args["bytes"]``: how the event's byte counts were obtained
+BYTES_FORMULA, BYTES_MEASURED = "formula", "measured"
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -114,6 +124,7 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
     tracer = current_tracer()
     event = None
     if tracer is not None:
+        args["bytes"] = BYTES_FORMULA if cat == COMM else BYTES_MEASURED
         event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
                       bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
                       peers=tuple(peers), args=args)
@@ -180,9 +191,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
-               axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+               axis: Optional[str] = None, async_op: bool = False, **tags) -> Optional[Handle]:
     """Chunk ``j`` of ``input`` (dim 0 split in N) goes to group rank ``j``; chunk ``i`` of
-    ``output`` comes from group rank ``i`` — a distributed transpose. Bytes: (N−1)/N · S."""
+    ``output`` comes from group rank ``i`` — a distributed transpose. Bytes: (N−1)/N · S.
+    ``tags`` are stored in the trace event's ``args``."""
     n, s = group_size(group), nbytes(input)
     if input.shape[0] % n:
         raise ValueError(f"all_to_all: dim 0 of input ({input.shape[0]}) does not divide by "
@@ -190,7 +202,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     return _run("all_to_all", COMM,
                 lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, numel=input.numel())
+                peers=group_ranks(group), async_op=async_op, numel=input.numel(), **tags)
 
 
 def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -299,11 +311,12 @@ def irecv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None
 
 
 def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None,
-                      axis: Optional[str] = None) -> list[Handle]:
+                      axis: Optional[str] = None, tag: int = 0, **tags) -> list[Handle]:
     """Post ``sends`` [(tensor, dst)] and ``recvs`` [(tensor, src)] together, so a ring step
-    where every rank sends and receives cannot deadlock. Returns one handle per op."""
-    ops = ([dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-           + [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs])
+    where every rank sends and receives cannot deadlock. Returns one handle per op.
+    ``tag`` matches sends to receives (gloo); ``tags`` go into the trace events' ``args``."""
+    ops = ([dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
+           + [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs])
     works = dist.batch_isend_irecv(ops) if ops else []
     tracer = current_tracer()
     handles = []
@@ -314,7 +327,7 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
             ev = Event(tracer.rank, kind, P2P, tracer.now(), 0.0, op=kind,
                        bytes_sent=float(nbytes(t)) if kind == "send" else 0.0,
                        bytes_recv=float(nbytes(t)) if kind == "recv" else 0.0,
-                       axis=axis, peers=(peer,))
+                       axis=axis, peers=(peer,), args={**tags, "bytes": BYTES_MEASURED})
         handles.append(Handle(work, ev))
     return handles
 

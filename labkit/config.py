@@ -195,7 +195,10 @@ class RunConfig:
             the whole local batch (``global_batch / dp``) without a pipeline; with one,
             ``local / microbatches`` when ``microbatches`` is set, else ``local/M`` for the
             largest ``M <= 2·pp`` dividing the local batch.
-        lr, weight_decay: AdamW's (``lr`` > 0, ``weight_decay`` >= 0).
+        lr, weight_decay, adam_eps: AdamW's (``lr`` > 0, ``weight_decay`` >= 0, ``eps`` > 0;
+            PyTorch's default ``1e-8``). A parameter whose gradient is near zero moves by up
+            to ``lr`` when its gradient changes sign in the last bit, so parity checks after
+            several steps use a larger ``eps`` (``1e-6``).
         seed: model initialisation and data order; equal seeds give equal runs.
         dataset: ``"text"`` (GPT) or ``"digits"`` (ViT).
         zero_stage: 0 plain data parallelism, 1 optimizer state sharded, 2 + gradients,
@@ -241,6 +244,7 @@ class RunConfig:
     micro_batch: Optional[int] = None
     lr: float = 1e-3
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     seed: int = 0
     dataset: str = "text"
     zero_stage: int = 0
@@ -271,6 +275,11 @@ class RunConfig:
     @property
     def model_config(self) -> ModelConfig:
         return preset(self.model) if isinstance(self.model, str) else self.model
+
+    @property
+    def planning_only(self) -> bool:
+        """True for a preset too large to build on one machine (planning and counting)."""
+        return isinstance(self.model, str) and self.model in COUNT_ONLY
 
     @property
     def local_batch(self) -> int:
@@ -359,8 +368,6 @@ class RunConfig:
         return self
 
 
-#: mirrors labkit.parallel.checkpoint_policy.POLICIES (kept here so config needs no torch)
-CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
 
 

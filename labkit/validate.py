@@ -21,15 +21,14 @@ before any rank process is touched (DESIGN.md §3). The rules, in the order they
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
-from .config import CHECKPOINT_POLICIES, COUNT_ONLY, RunConfig
+__all__ = ["validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
 
-__all__ = ["validate_run", "DEFAULTS"]
-
-#: the default of every RunConfig field (what "left alone" means)
-DEFAULTS = RunConfig()
+#: mirrors labkit.parallel.checkpoint.policy.POLICIES (kept here so validation needs no torch)
+CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 PRECISIONS = ("fp32", "bf16")
 CP_METHODS = ("ring", "ulysses", "allgather")
 
@@ -47,18 +46,24 @@ def _number(v, name: str, low: float, strict: bool) -> None:
                          f"got {v!r}")
 
 
-def _refuse_unless(cfg: RunConfig, cond: bool, names: tuple, why: str) -> None:
+def default(cfg, name: str):
+    """The default of field ``name`` of ``cfg``'s dataclass (what "left alone" means)."""
+    f = {f.name: f for f in dataclasses.fields(cfg)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _refuse_unless(cfg, cond: bool, names: tuple, why: str) -> None:
     """Refuse a non-default value of any of ``names`` unless ``cond``: a field that would
     be ignored is an error, never a silent no-op."""
     if cond:
         return
     for name in names:
         v = getattr(cfg, name)
-        if v != getattr(DEFAULTS, name):
+        if v != default(cfg, name):
             raise ValueError(f"{name}={v!r} has no effect here: {why}")
 
 
-def validate_run(cfg: RunConfig, world_size: Optional[int] = None) -> None:
+def validate_run(cfg, world_size: Optional[int] = None) -> None:
     """Check ``cfg`` for a cluster of ``world_size`` ranks (``None``: any size).
 
     Raises:
@@ -90,9 +95,9 @@ def validate_run(cfg: RunConfig, world_size: Optional[int] = None) -> None:
     _composition(cfg, mc)
 
 
-def _fields(cfg: RunConfig) -> None:
+def _fields(cfg) -> None:
     cfg.model_config.validate()
-    if isinstance(cfg.model, str) and cfg.model in COUNT_ONLY:
+    if cfg.planning_only:
         raise ValueError(f"model preset {cfg.model!r} is for planning and counting only "
                          "(labkit.plan); train 'tiny', 'small' or 'gpt2-124m'")
     cfg.parallel.validate()
@@ -106,6 +111,7 @@ def _fields(cfg: RunConfig) -> None:
         raise ValueError(f"seed must be an int >= 0, got {cfg.seed!r}")
     _number(cfg.lr, "lr", 0, strict=True)
     _number(cfg.weight_decay, "weight_decay", 0, strict=False)
+    _number(cfg.adam_eps, "adam_eps", 0, strict=True)
     _number(cfg.timeout_s, "timeout_s", 0, strict=True)
     _number(cfg.bucket_mb, "bucket_mb", 0, strict=True)
     if isinstance(cfg.zero_stage, bool) or cfg.zero_stage not in (0, 1, 2, 3):
@@ -125,7 +131,7 @@ def _fields(cfg: RunConfig) -> None:
             raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
 
 
-def _model(cfg: RunConfig, mc) -> None:
+def _model(cfg, mc) -> None:
     p = cfg.parallel
     if (cfg.dataset == "digits") != (mc.kind == "vit"):
         raise ValueError(f"dataset={cfg.dataset!r} does not fit model kind {mc.kind!r} "
@@ -137,14 +143,22 @@ def _model(cfg: RunConfig, mc) -> None:
         raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
                          f"the {mc.n_layers // cfg.n_stages} blocks of a stage "
                          f"(n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
-    pending = {k: getattr(p, k) for k in ("tp", "cp", "ep") if getattr(p, k) != 1}
-    if pending:
-        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in pending.items())}: tensor, "
-                         "context and expert parallelism are not available in this labkit "
-                         "yet; use dp, zero_stage and pp")
+    if p.tp > 1:
+        from .parallel.tensor.check import check_tensor_parallel
+
+        # with context parallelism the residual stream holds S/cp tokens of each sequence
+        check_tensor_parallel(mc, p.tp, cfg.sequence_parallel, seq_len=mc.seq_len // p.cp)
+    if p.cp > 1:
+        from .parallel.context.core import check_context_parallel
+
+        check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)
+    if p.ep > 1 or mc.n_experts:
+        from .parallel.expert import check_expert_parallel
+
+        check_expert_parallel(mc, p.ep, p.dp * p.cp)
 
 
-def _pipeline(cfg: RunConfig, mc) -> None:
+def _pipeline(cfg, mc) -> None:
     p = cfg.parallel
     if p.pp == 1:
         return
@@ -173,7 +187,7 @@ def _pipeline(cfg: RunConfig, mc) -> None:
         _torch_schedule_rules(cfg)
 
 
-def _torch_schedule_rules(cfg: RunConfig) -> None:
+def _torch_schedule_rules(cfg) -> None:
     """PyTorch's ``torch.distributed.pipelining`` schedules check these on the ranks; labkit
     checks them before launch (torch 2.13, ``schedules.py``)."""
     p, m = cfg.parallel.pp, cfg.flush_microbatches
@@ -198,7 +212,7 @@ def _torch_schedule_rules(cfg: RunConfig) -> None:
                          f"microbatches={cfg.flush_microbatches})")
 
 
-def _composition(cfg: RunConfig, mc) -> None:
+def _composition(cfg, mc) -> None:
     p, z = cfg.parallel, cfg.zero_stage
     _refuse_unless(cfg, p.pp > 1, ("schedule", "microbatches", "virtual_stages"),
                    "it is a pipeline setting and pp=1")
@@ -226,11 +240,15 @@ def _composition(cfg: RunConfig, mc) -> None:
                          "and bf16; use tie_embeddings=False, precision='fp32' or zero_stage=0")
     if cfg.impl == "torch":
         used = [name for name, on in (("data parallelism", p.dp > 1 or z > 0),
-                                      ("pipeline parallelism", p.pp > 1)) if on]
-        if len(used) != 1:
+                                      ("pipeline parallelism", p.pp > 1),
+                                      ("tensor parallelism", p.tp > 1),
+                                      ("context parallelism", p.cp > 1)) if on]
+        if len(used) != 1 or p.cp > 1 or p.tp > 1:
             raise ValueError(f"impl='torch' runs PyTorch's own version of ONE parallelism "
                              f"(DDP, FSDP2 or pipelining) as a reference; this run uses "
-                             f"{' and '.join(used) or 'none'}")
+                             f"{' and '.join(used) or 'none'} (PyTorch's tensor parallelism "
+                             "is compared in tests/test_tensor_parallel.py; its context "
+                             "parallelism does not run on CPU)")
         if z in (1, 2):
             raise ValueError(f"impl='torch' has no ZeRO-{z}: PyTorch's references are DDP "
                              "(zero_stage=0) and FSDP2 fully_shard (zero_stage=3)")

@@ -55,7 +55,7 @@ def mean_of_two_rows_gradient() -> dict:
 
 def rank_peak(ctx, cfg=None) -> float:
     """This rank's CPU peak FLOP/s as the training jobs compute it."""
-    from labkit.measure.cpu_peak import rank_peak_flops
+    from labkit.measure.rank_peak import rank_peak_flops
 
     return rank_peak_flops(ctx)
 

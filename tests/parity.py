@@ -17,7 +17,9 @@ _REF: dict = {}
 def cached_reference(cfg) -> dict:
     """The single-process reference, cached per (model, batch, steps, seed, lr, wd)."""
     key = (cfg.model_config, cfg.global_batch, cfg.steps, cfg.seed, cfg.lr, cfg.weight_decay,
-           cfg.dataset)
+           cfg.adam_eps, cfg.dataset)
+    if cfg.model_config.n_experts:  # the load-balancing loss is per (data rank, microbatch)
+        key += (cfg.parallel.dp, cfg.micro, cfg.parallel.cp, cfg.cp_zigzag)
     if key not in _REF:
         _REF[key] = reference(cfg)
     return _REF[key]

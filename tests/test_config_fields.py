@@ -25,11 +25,11 @@ DEEP = ModelConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, name="deep4")
 DEEPER = ModelConfig(n_layers=8, d_model=32, n_heads=4, seq_len=16, name="deep8")
 #: base compositions every field is tried in (2 ranks)
 COMPOSITIONS = {"dp1": {}, "dp2": dict(dp=2), "zero3": dict(dp=2, zero_stage=3),
-                "pp2": dict(pp=2)}
+                "pp2": dict(pp=2), "tp2": dict(tp=2), "cp2": dict(cp=2)}
 #: the non-default value each field is set to
 VALUES = {
     "model": "small", "parallel": None, "steps": 3, "global_batch": 4, "micro_batch": 1,
-    "lr": 1e-2, "weight_decay": 0.1, "seed": 1, "dataset": "digits", "zero_stage": 1,
+    "lr": 1e-2, "weight_decay": 0.1, "adam_eps": 1e-3, "seed": 1, "dataset": "digits", "zero_stage": 1,
     "hsdp_replicas": 2, "prefetch": False, "keep_last": False, "dp_mode": "naive",
     "bucket_mb": 0.01, "find_unused": True, "schedule": "gpipe", "microbatches": 2,
     "virtual_stages": 4, "sequence_parallel": True, "cp_method": "ulysses",
@@ -41,10 +41,12 @@ VALUES = {
 EFFECT = {
     "model": ("dp1", {}), "steps": ("dp1", {}), "global_batch": ("dp1", {}),
     "micro_batch": ("dp2", {}), "lr": ("dp1", {}), "weight_decay": ("dp1", {}),
+    "adam_eps": ("dp1", {}),
     "seed": ("dp1", {}),
     "zero_stage": ("dp2", {}), "hsdp_replicas": ("zero3", {}), "prefetch": ("zero3", {}),
     "keep_last": ("zero3", {}), "dp_mode": ("dp2", {}), "bucket_mb": ("dp2", {}),
-    "schedule": ("pp2", {}), "microbatches": ("pp2", dict(micro_batch=1)),
+    "schedule": ("pp2", {}), "sequence_parallel": ("tp2", {}),
+    "cp_method": ("cp2", {}), "cp_zigzag": ("cp2", {}), "microbatches": ("pp2", dict(micro_batch=1)),
     "virtual_stages": ("pp2", dict(model=DEEPER, schedule="interleaved", microbatches=2)),
     "checkpoint": ("dp1", {}), "checkpoint_every": ("dp1", dict(checkpoint="every", model=DEEP)),
     "precision": ("dp2", {}), "compile": ("dp1", {}), "impl": ("dp2", {}),
@@ -59,9 +61,6 @@ ELSEWHERE = {
     "find_unused": "tests/test_dp.py::test_unused_parameter_is_named_not_hung (the GPT "
                    "uses every parameter)",
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
-    "sequence_parallel": "refused until tensor parallelism is available",
-    "cp_method": "refused until context parallelism is available",
-    "cp_zigzag": "refused until context parallelism is available",
 }
 CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap"}
 

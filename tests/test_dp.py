@@ -70,8 +70,10 @@ def test_flops_equal_the_formula_exactly_and_mfu_is_reported(cluster4, kw):
     r = cluster4.run(jobs.train, cfg)
     mc = cfg.model_config
     exact = transformer_flops_per_token(mc, causal=False)["total"] * cfg.local_batch * mc.seq_len
+    causal = transformer_flops_per_token(mc, causal=True)["total"] * cfg.local_batch * mc.seq_len
     for m in r.metrics:
         assert m["flops_per_step"] == exact
+        assert m["flops_analytic"] == causal  # the lecture's count: half the scores
         assert m["peak_flops"] > 0 and 0 < m["mfu"] < 1
 
 

@@ -30,7 +30,8 @@ from ..config import RunConfig
 from ..measure.flops import count_flops, transformer_flops_per_token
 from ..measure.memory import measure_memory
 from ..measure.mfu import mfu as mfu_report
-from ..measure.cpu_peak import calibrate_cpu_peak, rank_peak_flops
+from ..measure.cpu_peak import calibrate_cpu_peak
+from ..measure.rank_peak import rank_peak_flops
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import DataParallel, torch_ddp, unique_parameters
@@ -203,7 +204,7 @@ def _memory_metrics(report, bucket_bytes: int) -> dict:
 
 def _checkpoint(model, cfg: RunConfig) -> None:
     if cfg.checkpoint != "none":
-        from .parallel.checkpoint_policy import apply_checkpoint_policy
+        from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
         apply_checkpoint_policy(model, cfg.checkpoint, cfg.checkpoint_every)
 

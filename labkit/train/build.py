@@ -70,6 +70,9 @@ class RankSetup:
     autocast: Callable = None
     track: list = field(default_factory=list)
     plain_params: list = field(default_factory=list)
+    cp_core: Any = None
+    tp_info: Any = None
+    expert_params: list = field(default_factory=list)
 
     @property
     def memory_module(self) -> nn.Module:
@@ -98,6 +101,10 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
         setup.stages = {0: model}
     else:
         _split_pipeline(setup, model)
+        _tensor_parallel(setup)
+        _context_parallel(setup)
+        _expert_parallel(setup)
+        _tie_across_stages(setup)
     del model  # the stages keep their own pieces; the rest of the full model is freed
     setup.rank_params = sum(p.numel() for _, p in unique_parameters(
         nn.ModuleList(setup.stages.values())))
@@ -113,7 +120,7 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
 
 
 def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
-    from ..parallel.pipeline.stage import StageModule, TiedEmbedding, WeightGradStore, _swap_linears
+    from ..parallel.pipeline.stage import StageModule, WeightGradStore, _swap_linears
 
     cfg, mg = setup.cfg, setup.mg
     if cfg.parallel.pp == 1:
@@ -127,15 +134,86 @@ def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
         setup.store = WeightGradStore()
         for m in setup.stages.values():
             _swap_linears(m, setup.store)
-    setup.tied = TiedEmbedding(cfg.model_config, sched, pp_index, setup.stages,
+
+
+def _tie_across_stages(setup: RankSetup) -> None:
+    """The tied embedding's two copies (first and last stage, on different pipeline ranks)
+    are summed before any data-parallel reduction — taken after tensor parallelism, whose
+    vocabulary shards are the parameters that train."""
+    cfg, mg = setup.cfg, setup.mg
+    if setup.schedule is None:
+        return
+    from ..parallel.pipeline.stage import TiedEmbedding
+
+    setup.tied = TiedEmbedding(cfg.model_config, setup.schedule, mg.index("pp"), setup.stages,
                                mg.group("pp"), pp_ranks=mg.ranks("pp"))
+
+
+def _tensor_parallel(setup: RankSetup) -> None:
+    """Each stage sliced to this rank's tensor-parallel shard (Shoeybi et al. 2019 §3;
+    Korthikanti et al. 2022 for sequence parallelism): column/row-parallel attention and
+    SwiGLU, vocab-parallel embedding, head and cross-entropy. Every tp rank computes the same
+    loss and ends backward with complete gradients for its shard."""
+    cfg, mg = setup.cfg, setup.mg
+    if cfg.parallel.tp == 1:
+        return
+    from ..parallel.tensor import apply_tensor_parallel
+
+    seq = cfg.model_config.seq_len // cfg.parallel.cp  # what attention sees on this rank
+    for m in setup.stages.values():
+        setup.tp_info = apply_tensor_parallel(m, mg.group("tp"),
+                                              sequence_parallel=cfg.sequence_parallel,
+                                              seq_len=seq)
+
+
+def _context_parallel(setup: RankSetup) -> None:
+    """Every block's attention runs the context-parallel core over the ``cp`` group, and
+    rotary positions follow this rank's (zigzag) share of the sequence (Liu et al. 2023;
+    Jacobs et al. 2023; Dubey et al. 2024 §3.3.2)."""
+    cfg, mg = setup.cfg, setup.mg
+    if cfg.parallel.cp == 1:
+        return
+    from ..parallel.context import make_attention_core, positions
+
+    mc = cfg.model_config
+    core = make_attention_core(cfg.cp_method, mg.group("cp"), causal=True,
+                               zigzag=cfg.cp_zigzag, seq_len=mc.seq_len)
+    pos = positions(mg.index("cp"), cfg.parallel.cp, mc.seq_len, cfg.cp_zigzag,
+                    device=setup.device)
+    for m in setup.stages.values():
+        m.positions = pos
+        for block in m.layers:
+            block.attn.core = core
+    setup.cp_core = core
+
+
+def _expert_parallel(setup: RankSetup) -> None:
+    """Mixture-of-experts layers: each forward's load-balancing loss enters the objective by
+    its share of the global batch (the one loss rule), and with ``ep > 1`` each rank keeps
+    ``E/ep`` experts of every layer, tokens reaching them by all-to-all (Lepikhin et al.
+    2020, GShard §2; Fedus et al. 2021, Switch §2.2)."""
+    cfg, mg = setup.cfg, setup.mg
+    if not cfg.model_config.n_experts:
+        return
+    from ..models.moe import set_aux_loss_scale
+
+    p = cfg.parallel
+    for m in setup.stages.values():  # one forward = one microbatch of S/cp tokens
+        set_aux_loss_scale(m, cfg.micro / (cfg.global_batch * p.cp))
+    if p.ep == 1:
+        return
+    from ..parallel.expert import apply_expert_parallel, expert_parameters
+
+    for m in setup.stages.values():
+        apply_expert_parallel(m, mg.group("ep"))
+        setup.expert_params += [q for _, q in expert_parameters(m)]
 
 
 def _checkpoint(setup: RankSetup) -> None:
     cfg = setup.cfg
     if cfg.checkpoint == "none":
         return
-    from ..parallel.checkpoint_policy import apply_checkpoint_policy
+    from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
     for m in setup.stages.values():
         apply_checkpoint_policy(m, cfg.checkpoint, cfg.checkpoint_every)
@@ -161,19 +239,25 @@ def _data_parallel(setup: RankSetup) -> None:
     if mg.size("dp_cp") == 1:
         return
     group = mg.group("dp_cp")
+    experts = {id(p) for p in setup.expert_params}
     if cfg.zero_stage == 0:
+        seen: set = set(experts)  # a parameter two local stages share (ZB-V's ends): once
         for s, m in setup.stages.items():
             if cfg.impl == "torch":
                 w = torch_ddp(m, group, cfg.bucket_mb, cfg.find_unused)
             else:
-                w = DataParallel(m, group, cfg.dp_mode, cfg.bucket_mb, cfg.find_unused)
+                w = DataParallel(m, group, cfg.dp_mode, cfg.bucket_mb, cfg.find_unused,
+                                 reduce_op="sum",
+                                 ignored_params=[p for p in m.parameters() if id(p) in seen])
+            seen |= {id(p) for p in m.parameters()}
             setup.wrappers.append(w)
             setup.forward[s] = w
+        _expert_data_parallel(setup)
         return
     if cfg.impl == "torch":
         setup.forward = {s: _torch_fsdp(setup, m) for s, m in setup.stages.items()}
         return
-    from ..parallel.fsdp import FullyShardedDataParallel
+    from ..parallel.zero import FullyShardedDataParallel
     from ..parallel.zero import ZeroDataParallel
 
     shard = mg.group("fsdp") if mg.size("fsdp") > 1 else mg.cache.get(mg.ranks("fsdp"))
@@ -181,9 +265,10 @@ def _data_parallel(setup: RankSetup) -> None:
     mixed = cfg.precision == "bf16"
     tied = setup.tied.param if setup.tied is not None else None
     for s, m in setup.stages.items():
-        kw = dict(mixed_precision=mixed)
-        if tied is not None and any(p is tied for p in m.parameters()):
-            kw["ignored_params"] = [tied]
+        kw = dict(mixed_precision=mixed, reduce_op="sum")
+        ignored = [p for p in m.parameters() if p is tied or id(p) in experts]
+        if ignored:
+            kw["ignored_params"] = ignored
         if cfg.zero_stage == 3:
             w = FullyShardedDataParallel(m, shard, repl, prefetch=cfg.prefetch,
                                          keep_last=cfg.keep_last, **kw)
@@ -195,16 +280,29 @@ def _data_parallel(setup: RankSetup) -> None:
         setup.wrappers.append(w)
         setup.sharded.append(w)
         setup.forward[s] = w
-        if "ignored_params" in kw:  # the tied copy: replicated, summed by a DDP wrapper
-            setup.wrappers.append(DataParallel(_Holder(tied), group, "naive"))
+        if tied is not None and any(p is tied for p in ignored):
+            # the tied copy: replicated, summed by a DDP wrapper
+            setup.wrappers.append(DataParallel(_Holder(tied), group, "naive", reduce_op="sum"))
+    _expert_data_parallel(setup)
+
+
+def _expert_data_parallel(setup: RankSetup) -> None:
+    """Expert parameters are summed over their expert-data group (the ranks holding the same
+    experts), not over all data ranks: each rank's experts saw only the tokens routed to
+    them."""
+    mg = setup.mg
+    if setup.expert_params and mg.size("edp") > 1:
+        holder = _Holder(*setup.expert_params)
+        setup.wrappers.append(DataParallel(holder, mg.group("edp"), "naive", reduce_op="sum",
+                                           axis="edp"))
 
 
 class _Holder(nn.Module):
-    """A module around one parameter, so a DDP wrapper can reduce it alone."""
+    """A module around some parameters, so a DDP wrapper can reduce them alone."""
 
-    def __init__(self, p: nn.Parameter):
+    def __init__(self, *params: nn.Parameter):
         super().__init__()
-        self.p = p
+        self.params = nn.ParameterList(params)
 
 
 def _torch_fsdp(setup: RankSetup, model: nn.Module) -> nn.Module:
@@ -227,14 +325,15 @@ def _optimizer(setup: RankSetup) -> torch.optim.Optimizer:
     seen: set = set()
     for w in setup.sharded:
         params += [u.master for u in w.units]
-    sharded_modules = {id(w.module) for w in setup.sharded}
-    extra = [p for s, m in setup.stages.items() if id(m) not in sharded_modules
-             for _, p in unique_parameters(m)]
-    if setup.sharded and setup.tied is not None and setup.tied.param is not None:
-        extra.append(setup.tied.param)
+    # what is still an nn.Parameter of a stage: everything without ZeRO; with it, what the
+    # flat units left out (a tied copy across stages, expert parameters)
+    extra = [p for m in setup.stages.values() for _, p in unique_parameters(m)]
     for p in extra:
         if id(p) not in seen:
             seen.add(id(p))
             params.append(p)
             setup.plain_params.append(p)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # on CUDA the fused kernel (one launch for all tensors), as a tuned training loop uses
+    fused = setup.device.type == "cuda" and all(p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             eps=cfg.adam_eps, **({"fused": True} if fused else {}))

@@ -4,6 +4,7 @@ Every rank draws the same global batch (:func:`labkit.models.data.make_batch`, a
 function of ``(seed, step)``) and keeps its part, so no sampler state or broadcast exists:
 
 * rows ``[d·B/dp, (d+1)·B/dp)`` for data-parallel index ``d`` (``dp`` = replicas × shards);
+* with context parallelism, ``S/cp`` tokens of each sequence (:mod:`labkit.parallel.context`);
 * microbatch ``m`` is rows ``[m·b, (m+1)·b)`` of those, ``b`` = ``micro_batch``.
 """
 from __future__ import annotations
@@ -23,14 +24,21 @@ def local_rows(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
     return x[index * rows:(index + 1) * rows]
 
 
-def rank_batch(cfg, step: int, dp_index: int, device) -> tuple:
-    """This data-parallel rank's ``(inputs, targets)`` of global step ``step`` on ``device``
-    (``[global_batch/dp, ...]``), in a traced ``"data"`` region."""
+def rank_batch(cfg, step: int, dp_index: int, device, cp_index: int = 0) -> tuple:
+    """This rank's ``(inputs, targets)`` of global step ``step`` on ``device``, in a traced
+    ``"data"`` region: rows ``[global_batch/dp, ...]`` of its data-parallel index and, with
+    context parallelism, its share ``S/cp`` of every sequence (contiguous or zigzag chunks;
+    the targets are cut the same way, so each token keeps its next-token label)."""
     with region("data"):
         x, y = make_batch(cfg, step)
-        dp = cfg.parallel.dp
-        return (local_rows(x, dp_index, dp).contiguous().to(device),
-                local_rows(y, dp_index, dp).contiguous().to(device))
+        dp, cp = cfg.parallel.dp, cfg.parallel.cp
+        x, y = local_rows(x, dp_index, dp), local_rows(y, dp_index, dp)
+        if cp > 1:
+            from ..parallel.context import shard_sequence
+
+            x = shard_sequence(x, cp_index, cp, cfg.cp_zigzag, dim=1)
+            y = shard_sequence(y, cp_index, cp, cfg.cp_zigzag, dim=1)
+        return x.contiguous().to(device), y.contiguous().to(device)
 
 
 def tokens_per_sample(cfg) -> int:

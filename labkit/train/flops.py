@@ -6,6 +6,9 @@ backward under torch's ``FlopCounterMode`` (:func:`labkit.measure.flops.count_fl
 also counts CPU attention). A stage after the first takes a ``(b, S, H)`` activation that
 requires grad, so its backward includes the input gradient, as in the pipeline. The count
 is cached per shape in ``ctx.cache``, so a slider re-run of the same shape counts nothing.
+With context parallelism a rank does ``1/cp`` of the sequence's work: the full-sequence count
+divided by ``cp`` (exact for the matmuls; for attention the model-FLOP convention counts
+every query-key pair, as SDPA's formula does).
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ def rank_flops(ctx, setup, recompute: bool) -> int:
            str(ctx.device))
     if key not in ctx.cache:
         ctx.cache[key] = _count(cfg, stage_ids, policy, ctx.device)
-    return ctx.cache[key]
+    # context parallelism splits every sequence: each rank computes 1/cp of the tokens'
+    # matmuls and of the query-key pairs (model FLOPs, counted as if unmasked)
+    return ctx.cache[key] // cfg.parallel.cp
 
 
 def _count(cfg, stage_ids: tuple, policy: str, device) -> int:
@@ -43,7 +48,7 @@ def _count(cfg, stage_ids: tuple, policy: str, device) -> int:
         return count_flops(lambda: model(x, y).backward()).total
     stages = [StageModule(model, s, cfg.n_stages) for s in stage_ids]
     if policy != "none":
-        from ..parallel.checkpoint_policy import apply_checkpoint_policy
+        from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
         for m in stages:
             apply_checkpoint_policy(m, policy, cfg.checkpoint_every)

@@ -11,7 +11,7 @@
   boundary activation per send).
 * **FLOPs and MFU/HFU**: torch's FLOP counter on one microbatch through this rank's stages
   (a fresh copy, cached per shape), × microbatches per step, over the peak of the dtype that
-  ran (:func:`labkit.measure.cpu_peak.rank_peak_flops`).
+  ran (:func:`labkit.measure.rank_peak.rank_peak_flops`).
 """
 from __future__ import annotations
 
@@ -135,12 +135,13 @@ def overlap_fraction(events, step: int, rank=None) -> dict:
 
     An all-gather's span runs from issue to the return of its ``wait``; the ``"wait"``
     events are the time the compute thread sat blocked on one. Hidden = span − wait.
-    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered).
+    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered: a
+    one-rank shard group's "all-gathers" move no bytes and hide nothing).
     """
     out = {}
     for phase in ("forward", "backward", None):
         ag = sum(e.duration for e in events if e.op == "all_gather" and e.step == step
-                 and (rank is None or e.rank == rank)
+                 and e.bytes_sent > 0 and (rank is None or e.rank == rank)
                  and e.args.get("phase") in ((phase,) if phase else ("forward", "backward")))
         wait = sum(e.duration for e in events if e.cat == "wait" and e.step == step
                    and (rank is None or e.rank == rank)
@@ -161,8 +162,15 @@ def comm_metrics(ctx, setup, step: int) -> dict:
     # its DDP runs its buckets through labkit.comm by a comm hook
     if n > 1 and (cfg.impl == "labkit" or cfg.zero_stage == 0):
         predicted["dp"] = _dp_predicted(setup, elem)
+    if setup.expert_params and mg.size("edp") > 1:
+        predicted["edp"] = {"all_reduce": comm_bytes(
+            "all_reduce", sum(p.numel() for p in setup.expert_params) * 4, mg.size("edp"))}
     if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
+    if cfg.parallel.cp > 1:
+        predicted["cp"] = _cp_predicted(setup)
+    if cfg.parallel.tp > 1:
+        predicted["tp"] = _tp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,
             "comm_bytes_per_step": total,
@@ -178,9 +186,9 @@ def _dp_predicted(setup, elem: int) -> dict:
     stage reduce-scatters (2–3) or gathers (3) every microbatch, minus the root unit's
     backward all-gather that ``keep_last`` saves, plus HSDP's all-reduce across replicas."""
     cfg, mg = setup.cfg, setup.mg
-    if not setup.sharded:
-        size = setup.rank_params * elem
-        return {"all_reduce": comm_bytes("all_reduce", size, mg.size("dp_cp"))}
+    if not setup.sharded:  # the experts are reduced over their own (edp) group
+        dense = setup.rank_params - sum(p.numel() for p in setup.expert_params)
+        return {"all_reduce": comm_bytes("all_reduce", dense * elem, mg.size("dp_cp"))}
     k, m = mg.size("fsdp"), mg.size("dp_replicate")
     micro = cfg.accum_steps if cfg.zero_stage >= 2 else 1
     out = {"reduce_scatter": 0.0, "all_gather": 0.0}
@@ -193,11 +201,101 @@ def _dp_predicted(setup, elem: int) -> dict:
             out["all_gather"] -= comm_bytes("all_gather", w.root.padded * elem, k) * micro
         if m > 1:
             out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", size / k, m)
-    if len(setup.wrappers) > len(setup.sharded):  # the tied copy's own DDP all-reduce
-        tied = setup.tied.param.numel() * 4
+    tied = setup.tied.param if setup.tied is not None else None
+    if tied is not None and any(p is tied for p in setup.plain_params):
+        tied = tied.numel() * 4  # the tied copy's own DDP all-reduce
         out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", tied,
                                                                     mg.size("dp_cp"))
     return out
+
+
+def _tp_predicted(setup) -> dict:
+    """Tensor-parallel bytes this rank sends per step, by collective (Shoeybi et al. 2019
+    §3; Korthikanti et al. 2022 §4.2 with sequence parallelism), per microbatch:
+
+    * each block: two all-reduces of ``b·s·H`` forward and two backward, or with SP the
+      same volume as all-gathers and reduce-scatters
+      (:func:`labkit.parallel.tensor.measure.block_bytes_formula`), again for the forward a
+      recomputing checkpoint policy repeats; plus the all-reduce of the weight gradients held
+      whole on every tp rank (SP's norms; K/V when ``kv_heads < tp``);
+    * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
+      all-gathered back in backward); the head (last stage): its input's gradient
+      all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
+      fp32 (all-reduces).
+
+    ``s`` is the sequence this rank's attention sees (``S/cp``); activations are bf16 under
+    ``precision="bf16"``."""
+    from ..parallel.tensor.measure import block_bytes_formula, block_weight_grad_bytes
+
+    cfg = setup.cfg
+    mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
+    b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
+    act = 2 if cfg.precision == "bf16" else 4
+    wgt = 2 if (cfg.precision == "bf16" and setup.sharded) else 4
+    unit = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
+    blk = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)
+    if mc.n_experts:  # the experts stay whole on every tp rank: only attention is split
+        blk = {k: v / 2 for k, v in blk.items()}
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    out: dict = {}
+
+    def add(op: str, n: float) -> None:
+        out[op] = out.get(op, 0.0) + n * cfg.accum_steps
+
+    if sp:
+        add("all_gather", layers * (blk["forward"] + blk["backward"]) / 2)
+        add("reduce_scatter", layers * (blk["forward"] + blk["backward"]) / 2)
+    else:
+        add("all_reduce", layers * (blk["forward"] + blk["backward"]))
+    if cfg.checkpoint != "none":
+        # torch's non-reentrant checkpoint stops recomputing once the last activation the
+        # block's backward saved is back: the MLP's output collective is not repeated,
+        # the attention's output and (SP) the two input all-gathers are
+        if sp:
+            add("all_gather", layers * 2 * unit)
+            add("reduce_scatter", layers * unit)
+        else:
+            add("all_reduce", layers * 2 * unit)
+    add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
+                                                       mc.kv_heads, sequence_parallel=sp,
+                                                       bytes_per_elem=wgt))
+    for m in setup.stages.values():
+        if m.is_first:
+            add("reduce_scatter", unit) if sp else add("all_reduce", 2 * unit)
+            if sp:
+                add("all_gather", unit)
+        if m.is_last:
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too
+                add("all_gather", unit)
+                add("reduce_scatter", unit)
+                add("all_reduce", ar(h * wgt))
+            else:
+                add("all_reduce", 2 * unit)
+            add("all_reduce", ar(3 * b * s * 4))
+    return {op: float(v) for op, v in out.items() if v}
+
+
+def _cp_predicted(setup) -> dict:
+    """Context-parallel bytes this rank sends per step: each block's attention call, forward
+    and backward (:func:`labkit.parallel.context.measure.bytes_formula`), per microbatch; a
+    recomputing checkpoint policy runs the forward call twice."""
+    from ..parallel.context.measure import bytes_formula
+
+    cfg = setup.cfg
+    mc = cfg.model_config
+    per = bytes_formula(cfg.cp_method, cfg.parallel.cp, batch=cfg.micro,
+                        heads=mc.n_heads // cfg.parallel.tp,
+                        kv_heads=mc.kv_heads // cfg.parallel.tp, seq_len=mc.seq_len,
+                        head_dim=mc.head_dim, elem_bytes=2 if cfg.precision == "bf16" else 4)
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    fwd = per["forward"] * (2 if cfg.checkpoint != "none" else 1)
+    n = layers * cfg.accum_steps
+    if cfg.cp_method == "allgather":  # gather K/V forward, reduce-scatter dK/dV backward
+        return {"all_gather": float(fwd * n), "reduce_scatter": float(per["backward"] * n)}
+    op = "send" if cfg.cp_method == "ring" else "all_to_all"
+    return {op: float((fwd + per["backward"]) * n)}
 
 
 def _pp_predicted(setup) -> dict:
@@ -207,7 +305,7 @@ def _pp_predicted(setup) -> dict:
 
     cfg, mg = setup.cfg, setup.mg
     mc = cfg.model_config
-    act = cfg.micro * mc.seq_len * mc.d_model * 4
+    act = cfg.micro * (mc.seq_len // cfg.parallel.cp) * mc.d_model * 4
     sends = sum(1 for a in with_comms(setup.schedule).actions[mg.index("pp")]
                 if a.kind in ("SEND_F", "SEND_B"))
     out = {"send": float(sends * act * cfg.flushes)}
@@ -224,7 +322,7 @@ def flops_and_mfu(ctx, setup, step_time: float) -> dict:
     ``"hardware_flops_per_step"`` (with recomputation), ``"peak_flops"`` (FLOP/s of this
     device for the dtype that ran), ``"mfu"``, ``"hfu"``}``; ``None`` where not counted.
     """
-    from ..measure.cpu_peak import rank_peak_flops
+    from ..measure.rank_peak import rank_peak_flops
     from ..measure.flops import transformer_flops_per_token
     from ..measure.mfu import mfu as mfu_report
     from .flops import rank_flops

@@ -16,9 +16,14 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 
 def boundary_shape(cfg) -> tuple:
-    """``(micro_batch, S, H)``: the activation (and its gradient) crossing a stage boundary."""
+    """``(micro_batch, S/cp, H)``, or ``(micro_batch, S/(cp·tp), H)`` with sequence
+    parallelism: the activation (and its gradient) crossing a stage boundary, this rank's
+    share of the residual stream."""
     mc = cfg.model_config
-    return (cfg.micro, mc.seq_len, mc.d_model)
+    seq = mc.seq_len // cfg.parallel.cp
+    if cfg.sequence_parallel:
+        seq //= cfg.parallel.tp
+    return (cfg.micro, seq, mc.d_model)
 
 
 def make_executor(setup) -> tuple:

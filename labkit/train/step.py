@@ -23,10 +23,11 @@ __all__ = ["make_step", "grad_scale"]
 
 def grad_scale(setup: RankSetup) -> float:
     """What each microbatch's token-loss sum is multiplied by before backward:
-    ``1 / tokens_per_step``, times the data ranks when the wrappers average (their
-    reduction divides by the group size again)."""
+    ``1 / tokens_per_step``. labkit's wrappers then sum over the data ranks; PyTorch's DDP
+    and FSDP2 average, so for them it is multiplied by the data ranks, which their
+    reduction divides out again."""
     cfg = setup.cfg
-    n = setup.mg.size("dp_cp") if setup.wrappers or cfg.impl == "torch" else 1
+    n = setup.mg.size("dp_cp") if cfg.impl == "torch" else 1
     return n / (cfg.global_batch * tokens_per_sample(cfg))
 
 
@@ -43,7 +44,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
     without the last pipeline stage). ``on_synced(s)`` runs after the gradient reduction,
     before the optimizer (to read the reduced gradients)."""
     cfg, mg = setup.cfg, setup.mg
-    dp_index = mg.index("dp")
+    dp_index, cp_index = mg.index("dp"), mg.index("cp")
     scale = grad_scale(setup)
     micro, accum = cfg.micro, cfg.accum_steps
 
@@ -71,7 +72,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
             p.grad = None
 
     def step_plain(s: int, mark) -> float:
-        x, y = rank_batch(cfg, s, dp_index, setup.device)
+        x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         stage, fwd = setup.stages[0], setup.forward[0]
         total = 0.0
         for m in range(accum):
@@ -89,7 +90,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
         return total / (cfg.global_batch * tokens_per_sample(cfg))
 
     def step_pipeline(s: int, mark) -> float:
-        x, y = rank_batch(cfg, s, dp_index, setup.device)
+        x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         per_flush = cfg.flush_microbatches * micro
         setup.require_sync(False)  # reduce once, after the last flush
         total = 0.0
@@ -99,7 +100,6 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
                 total += executor.run(x[sl], y[sl], scale, f)
         mark("flushes")
         finish(s, mark)
-        n = setup.mg.size("dp_cp") if setup.wrappers or cfg.impl == "torch" else 1
-        return total / n
+        return total / (scale * cfg.global_batch * tokens_per_sample(cfg))
 
     return step_pipeline if executor is not None else step_plain
