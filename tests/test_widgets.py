@@ -228,7 +228,7 @@ def _field(cfg, name):
 def test_every_control_maps_to_its_config_field():
     """Each control sets its RunConfig field (degrees into parallel, "auto" = None) where it
     applies, and leaves the field at its default where validate would call it ignored."""
-    from labkit.validate import DEFAULTS
+    from labkit_widgets.explorer_controls import DEFAULTS
     from labkit_widgets.explorer_controls import NAMES
 
     ex = _explorer(base=RunConfig(global_batch=8, steps=3).replace(dp=2))
@@ -297,11 +297,14 @@ def test_only_values_validate_accepts_are_offered_and_the_rest_say_why():
             refused.validate(4)
         assert str(why.value) in note, str(why.value)
     assert "pp=2" in note and "8 ranks" in note and "world_size=4" in note
-    assert "tensor, context and expert parallelism are not available" in note
+    # tensor, context and expert degrees are offered where the model and mesh allow them
+    # and refused in validate's words where not (the tiny GPT is dense: no ep)
+    assert [v for _, v in c["tp"].options] == [1] and "ep=2 needs a mixture-of-experts" in note
     assert "prefetch" in note and "ZeRO-3" in note  # greyed, in validate's words
     assert c["prefetch"].disabled and c["schedule"].disabled
     ex.set(dp=2)
     assert [v for _, v in c["pp"].options] == [1, 2] and not c["pp"].disabled
+    assert [v for _, v in c["tp"].options] == [1, 2] and [v for _, v in c["cp"].options] == [1, 2]
     # everything offered validates (changing that control alone); nothing else is offered
     for vals in (ex.values, {**ex.values, "pp": 2}, {**ex.values, "zero_stage": 3}):
         avail = C.availability(ex.base, vals, 4)
@@ -322,7 +325,8 @@ def test_invalid_set_shows_the_reason_and_raises_nothing():
                        ({"dp_mode": "zero9"}, "dp_mode must be one of"),
                        ({"global_batch": 3}, "global_batch=3"),
                        ({"pp": 2}, "= 8 ranks but the cluster has world_size=4"),
-                       ({"tp": 2, "dp": 2}, "not available in this labkit yet"),
+                       ({"tp": 3, "dp": 1}, "n_heads=4 does not divide by tp=3"),
+                       ({"ep": 2}, "ep=2 needs a mixture-of-experts model"),
                        ({"zero_stage": 4}, "got 4"),
                        ({"zero_stage": 1, "hsdp_replicas": 3}, "hsdp_replicas=3 does not "
                                                                 "divide dp=4"),

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from labkit.config import RunConfig
-from labkit.validate import DEFAULTS
 
 from . import _style as S
 
-__all__ = ["Knob", "KNOBS", "NAMES", "AUTO", "ROWS", "applies", "compose", "check",
+__all__ = ["DEFAULTS", "Knob", "KNOBS", "NAMES", "AUTO", "ROWS", "applies", "compose", "check",
            "availability", "candidates", "initial_values", "to_field", "to_control",
            "no_effect_reason", "label", "pairs", "make_widget", "unavailable_html"]
 
@@ -41,6 +40,9 @@ AUTO = "auto"
 #: below 1 MiB are where the all-reduce count changes
 BUCKETS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
 _DEGREES = ("dp", "tp", "pp", "cp", "ep")
+#: every field at its dataclass default: what labkit.validate calls "left alone" (it
+#: refuses a knob that would be ignored unless it is at this value)
+DEFAULTS = RunConfig()
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def knobs_string(cfg) -> str:
 def describe(cfg) -> str:
     """The configuration in one line (a history row's tooltip): the model, the degrees and
     every field that differs from its default."""
-    from labkit.validate import DEFAULTS
+    from .explorer_controls import DEFAULTS
 
     skip = {"model", "parallel", "timeout_s", "return_state", "return_grads"}
     fields = [f"{k}={getattr(cfg, k)!r}" for k in cfg.__dataclass_fields__
