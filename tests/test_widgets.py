@@ -378,6 +378,25 @@ def test_a_rerun_updates_every_figure_in_one_batch():
     assert ex.last_latency_s > 0 and "figures updated" in _plain(ex.status.value)
 
 
+def test_figure_widgets_are_created_from_the_first_run():
+    """The browser draws a figure widget from the state it was created with, and drops
+    edits sent before plotly's module loaded: so every figure of an explorer that ran at
+    construction holds the first run in that state (``_widget_data`` / ``_widget_layout``,
+    what travels with the widget's creation), not empty axes filled in afterwards."""
+    ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2),
+                   run_now=True)
+    assert len(ex.history) == 1 and set(ex.figures) == {"memory", "mfu", "comm", "bubble",
+                                                        "timeline"}
+    for name, fig in ex.figures.items():
+        assert fig._widget_data == fig._data and fig._widget_layout == fig._layout, name
+    assert ex.figures["mfu"]._widget_data[0]["value"] == pytest.approx(ex.history[0]["mfu_pct"])
+    assert "dp AR" in ex.figures["comm"]._widget_data[0]["x"][1]
+    assert ex.timeline.fig is ex.figures["timeline"] and ex.timeline in ex.children
+    assert len(_traces(ex.figures["timeline"])["forward"].x) == 2 * 2  # 2 ranks x 2 timed steps
+    ex.set(dp=1)  # later runs edit the same widgets
+    assert ex.figures["mfu"]._widget_data != ex.figures["mfu"]._data
+
+
 def test_figures_say_what_they_show():
     ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2))
     ex.set(dp=1)

@@ -39,6 +39,7 @@ from . import _style as S
 from . import explorer_controls as C
 from . import explorer_figures as F
 from . import explorer_pipeline as P
+from ._static import live
 from .timeline import TimelineView
 
 __all__ = ["Explorer", "STARTING"]
@@ -106,15 +107,21 @@ class Explorer(W.VBox):
         self.status = W.HTML(S.status_html("ready"))
         self.unavailable = W.HTML()
         self.history_html = W.HTML(F.history_html([]))
-        self.figures = {"memory": go.FigureWidget(F.memory_figure()),
-                        "mfu": go.FigureWidget(F.mfu_figure()),
-                        "comm": go.FigureWidget(F.comm_figure()),
-                        "bubble": go.FigureWidget(P.bubble_figure())}
+        # plain figures until the first run is drawn: the widgets are created from them
+        # (labkit_widgets._static.live), since plotly's front end drops edits that reach
+        # it before its module has loaded, and a figure widget created empty and filled
+        # at once shows empty axes
+        self.figures = {"memory": F.memory_figure(), "mfu": F.mfu_figure(),
+                        "comm": F.comm_figure(), "bubble": P.bubble_figure()}
         P.draw_bubble(self.figures["bubble"], None)
-        self.timeline = TimelineView() if timeline else None
-        if self.timeline is not None:
-            self.figures["timeline"] = self.timeline.fig
+        self.timeline, self._first_trace = None, None
         self._refresh_controls()
+        if run_now:
+            self.rerun()
+        self.figures = {name: live(fig) for name, fig in self.figures.items()}
+        if timeline:
+            self.timeline = TimelineView(self._first_trace)
+            self.figures["timeline"] = self.timeline.fig
         wrap = W.Layout(flex_flow="row wrap", align_items="center", width="100%")
         rows = [W.HBox([W.HTML(f"<b style='font-size:12px'>{label}</b>",
                                layout=W.Layout(width="84px"))]
@@ -127,8 +134,6 @@ class Explorer(W.VBox):
                          *([self.timeline] if self.timeline else []),
                          W.HTML("<b>runs tried</b> (newest first; hover a row for its "
                                 "configuration)"), self.history_html]
-        if run_now:
-            self.rerun()
 
     # -- the cluster ----------------------------------------------------------------
     def _live_cluster(self):
@@ -321,8 +326,11 @@ class Explorer(W.VBox):
             F.draw_mfu(self.figures["mfu"], row, prev, P.mfu_note(pipe))
             F.draw_comm(self.figures["comm"], metrics, result.config)
             P.draw_bubble(self.figures["bubble"], pipe)
-            if self.timeline is not None:  # the steps the step time comes from
-                self.timeline.update(F.steady_trace(result.trace, skip_first=True))
+            steady = F.steady_trace(result.trace, skip_first=True)  # the timed steps
+            if self.timeline is not None:
+                self.timeline.update(steady)
+            else:  # the first run, drawn before the widgets exist
+                self._first_trace = steady
         self.last_result, self.last_metrics, self.last_error = result, metrics, None
         self.history.append(row)
 
