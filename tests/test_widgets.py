@@ -378,17 +378,32 @@ def test_a_rerun_updates_every_figure_in_one_batch():
     assert ex.last_latency_s > 0 and "figures updated" in _plain(ex.status.value)
 
 
-def test_figure_widgets_are_created_from_the_first_run():
-    """The browser draws a figure widget from the state it was created with, and drops
-    edits sent before plotly's module loaded: so every figure of an explorer that ran at
-    construction holds the first run in that state (``_widget_data`` / ``_widget_layout``,
-    what travels with the widget's creation), not empty axes filled in afterwards."""
+def test_figure_widgets_open_with_the_first_run(monkeypatch):
+    """The browser draws a figure widget from the state the widget opens with and drops
+    updates that arrive before plotly's module has loaded (plotly itself opens the widget
+    before it sets the figure: half the figures of a cell came up empty in JupyterLab). So
+    every figure of an explorer that ran at construction opens holding that run."""
+    import copy
+
+    from plotly.basewidget import BaseFigureWidget
+
+    opened = {}
+    real_open = W.Widget.open
+
+    def spy(self):
+        if isinstance(self, BaseFigureWidget):
+            state = self.get_state()
+            opened[id(self)] = copy.deepcopy((state["_widget_data"], state["_widget_layout"]))
+        real_open(self)
+
+    monkeypatch.setattr(W.Widget, "open", spy)
     ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2),
                    run_now=True)
     assert len(ex.history) == 1 and set(ex.figures) == {"memory", "mfu", "comm", "bubble",
                                                         "timeline"}
     for name, fig in ex.figures.items():
-        assert fig._widget_data == fig._data and fig._widget_layout == fig._layout, name
+        data, layout = opened[id(fig)]
+        assert data == fig._data and layout == fig._layout, name
     assert ex.figures["mfu"]._widget_data[0]["value"] == pytest.approx(ex.history[0]["mfu_pct"])
     assert "dp AR" in ex.figures["comm"]._widget_data[0]["x"][1]
     assert ex.timeline.fig is ex.figures["timeline"] and ex.timeline in ex.children
