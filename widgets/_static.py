@@ -1,6 +1,8 @@
 """Static rendering shared by the views: a plotly snapshot for nbval and saved notebooks."""
 from __future__ import annotations
 
+import contextlib
+
 import plotly.graph_objects as go
 
 from . import _style as S
@@ -27,6 +29,17 @@ class LiveFigure(go.FigureWidget):
     def open(self) -> None:  # ipywidgets' Widget.open, once the figure is in the state
         if not getattr(self, "_defer_open", False):
             super().open()
+
+    @contextlib.contextmanager
+    def batch_update(self):
+        """Edits go out one by one, as restyle and relayout messages, never batched.
+
+        plotly's ``batch_update`` sends one ``Plotly.update`` message; plotly 7's front end
+        (JupyterLab 4, anywidget) does not apply it, while it applies restyle and relayout:
+        a batched redraw left the browser's figure unchanged. Callers keep their ``with
+        fig.batch_update():`` blocks, so batching returns when the front end applies it.
+        """
+        yield self
 
 
 def live(fig: go.Figure) -> go.FigureWidget:
