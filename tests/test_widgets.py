@@ -567,7 +567,9 @@ def test_explorer_real_pipeline(cluster):
     assert (cfg.parallel.pp, cfg.schedule) == (2, "1f1b") and not c["schedule"].disabled
     meas, sim, executor = ex.figures["bubble"].data
     assert list(meas.x) == list(sim.x) == ["all ranks", "rank 0", "rank 1"]
-    assert all(0 < y < 100 for y in list(meas.y) + list(sim.y))
+    # measured idle is timing (a loaded machine can hide a rank's wait); the simulator's
+    # 1F1B at P=2 always idles
+    assert all(0 <= y < 100 for y in meas.y) and all(0 < y < 100 for y in sim.y)
     assert ex.history[-1]["bubble_pct"] == pytest.approx(meas.y[0])
     assert "simulated" in ex.figures["bubble"].layout.title.text
     assert not ex.figures["bubble"].layout.annotations
