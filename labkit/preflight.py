@@ -120,9 +120,12 @@ def check_run_fits(cfg) -> None:
 
     psi = count_params(mc)
     share = psi / (mesh.pp * mesh.tp)
-    stage = cfg.zero_stage
+    # a job config without ZeRO or precision fields (the expert-parallel job's) keeps its
+    # model state whole, in fp32
+    stage = getattr(cfg, "zero_stage", 0)
+    bf16 = getattr(cfg, "precision", "fp32") == "bf16"
     state = model_state_bytes(share, mesh.degree("fsdp") if stage else 1, stage,
-                              mixed_precision=cfg.precision == "bf16" and stage > 0)["total"]
+                              mixed_precision=bf16 and stage > 0)["total"]
     per_rank = max(4.0 * psi, state)
     check_model_state_fits(ranks * (per_rank + PROCESS_BYTES),
                            f"model {mc.name or 'custom'} ({mc.n_layers} layers, "

@@ -1,14 +1,15 @@
-"""Widgets, headless: TimelineView on real cluster traces, Explorer driven by ``set()``.
+"""Widgets, headless: TimelineView on real cluster traces; the Explorer driven by ``set()``
+and by its controls' observe path.
 
-The Explorer is tested twice: against a fake cluster whose results follow the train job's
-per-rank schema (:func:`fake_train_output`), so the widget logic is checked without
-training; and against the real ``labkit.jobs.train`` on a 2-rank cluster once
-``labkit/train.py`` exists.
+The Explorer is tested against a fake cluster whose results follow the training job's
+per-rank schema (:func:`fake_train_output`), so the widget logic (controls → config,
+validate's reasons, one batch per run, history, memory reuse, the cluster hooks) is
+checked without training; and against the real ``labkit.jobs.train`` on a 2-rank cluster.
 """
 from __future__ import annotations
 
 import html
-from pathlib import Path
+import re
 
 import ipywidgets as W
 import pytest
@@ -22,8 +23,6 @@ from labkit.trace import Event, Trace
 
 # plotly is imported inside the tests: rank processes import this module to find
 # stepped_job, and should not pay for plotly there.
-HAVE_TRAIN = (Path(labkit.__file__).parent / "train.py").exists()
-needs_train = pytest.mark.skipif(not HAVE_TRAIN, reason="labkit/train.py not written yet")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -43,37 +42,32 @@ def stepped_job(ctx, steps=3) -> int:
 
 
 def fake_train_output(cfg: RunConfig, rank: int) -> dict:
-    """One rank's ``jobs.train`` return value, in the schema ``labkit.train`` produces."""
+    """One rank's ``jobs.train`` return value, in the schema ``labkit.train.run`` returns
+    (data parallelism only: the fake does not pipeline)."""
     n_params, dp, micro = 100_000, cfg.parallel.dp, cfg.micro
-    pred = {"parameters": 4 * n_params, "gradients": 4 * n_params, "optimizer": 8 * n_params}
-    pred["total"] = sum(pred.values())
-    peak = {"parameters": 4 * n_params, "gradients": 4 * n_params,
-            "optimizer": 8 * n_params, "activations": 30_000 * micro, "other": 1_000}
-    comm_bytes = 2 * (dp - 1) / dp * 4 * n_params
+    k = dp if cfg.zero_stage else 1
+    state = {"parameters": 4 * n_params // (k if cfg.zero_stage == 3 else 1),
+             "gradients": 4 * n_params // (k if cfg.zero_stage >= 2 else 1),
+             "optimizer": 8 * n_params // k}
+    peak = {**state, "gradients": 0, "activations": 30_000 * micro, "other": 1_000}
+    sent = 2 * (dp - 1) / dp * 4 * n_params
+    by_axis = {"dp": {"all_reduce": sent}} if dp > 1 else {}
     step_s = 0.02 * cfg.accum_steps + 0.001 * (dp - 1)
     flops = 6.0 * n_params * cfg.local_batch * 64
-    return {"losses": [4.0 - 0.1 * s + 0.01 * rank for s in range(cfg.steps)],
-            "metrics": {
-                "rank": rank, "dp": dp, "micro_batch": micro, "accum_steps": cfg.accum_steps,
-                "dp_mode": cfg.dp_mode, "bucket_mb": cfg.bucket_mb, "n_params": n_params,
-                "tokens_per_step": cfg.global_batch * 64, "step_time_s": step_s,
-                "step_times": [step_s] * cfg.steps,
-                "memory": {"peak": peak, "peak_total": sum(peak.values()), "allocator_peak": None,
-                           "timeline": [["after forward", peak]]},
-                "memory_predicted": pred, "flops_per_step": flops, "flops_analytic": flops,
-                "peak_flops": 1e11, "mfu": flops / 1e11 / step_s, "hfu": flops / 1e11 / step_s,
-                "comm_bytes_per_step": comm_bytes, "comm_bytes_predicted": comm_bytes}}
-
-
-def test_explorer_defaults_to_the_whole_cluster():
-    """Without a base config the explorer's dp is the cluster's world size (the batch of 8
-    splits over it), so `Explorer(cluster)` uses every rank."""
-    from labkit_widgets import Explorer
-
-    for ws, dp in ((2, 2), (4, 4), (3, 1), (6, 2)):
-        fake = type("C", (FakeCluster,), {"world_size": ws})()
-        ex = Explorer(fake, run_now=False, timeline=False)
-        assert ex.base.parallel.dp == dp and ex.controls["dp"].value == dp, (ws, dp)
+    out = {"losses": [4.0 - 0.1 * s for s in range(cfg.steps)],
+           "metrics": {
+               "rank": rank, "dp": dp, "pp": 1, "zero_stage": cfg.zero_stage,
+               "micro_batch": micro, "accum_steps": cfg.accum_steps, "n_params": n_params,
+               "step_time_s": step_s, "step_times": [step_s] * (cfg.steps - 1),
+               "memory_predicted": {**state, "total": sum(state.values())},
+               "flops_per_step": flops, "peak_flops": 1e11, "mfu": flops / 1e11 / step_s,
+               "hfu": flops / 1e11 / step_s * (1.3 if cfg.checkpoint != "none" else 1.0),
+               "comm_bytes_by_axis": by_axis, "comm_predicted_by_axis": by_axis,
+               "comm_bytes_per_step": sent, "comm_bytes_predicted": sent}}
+    if cfg.measure_memory:
+        out["metrics"]["memory"] = {"peak": peak, "peak_total": sum(peak.values()),
+                                    "model_state": state, "working_set": {}}
+    return out
 
 
 class FakeCluster:
@@ -81,8 +75,10 @@ class FakeCluster:
 
     world_size = 2
 
-    def __init__(self, on_run=None):
+    def __init__(self, on_run=None, world_size=None):
         self.configs, self.on_run = [], on_run
+        if world_size is not None:
+            self.world_size = world_size
 
     def run(self, job, cfg):
         cfg.validate(self.world_size)
@@ -210,231 +206,411 @@ def test_timeline_labels_tagged_collectives_by_layer():
 
 
 # --------------------------------------------------------------------------- explorer
-def _memory_data(ex):
-    return [(tuple(map(tuple, d.x)), tuple(d.y)) for d in ex.figures["memory"].data]
+def _plain(widget_html: str) -> str:
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", widget_html))).strip()
 
 
-def test_explorer_fake_headless():
+def _data(fig) -> str:
+    """Everything a figure shows (data and layout), as one comparable string."""
+    return fig.to_json()
+
+
+def _explorer(cluster=None, base=None, **kw):
     from labkit_widgets import Explorer
 
-    busy = []
-    fake = FakeCluster(on_run=lambda cfg: busy.append(ex.controls["dp"].disabled))
-    ex = Explorer(fake, RunConfig(global_batch=8, steps=2), job=jobs.train, run_now=False)
-    assert list(ex.controls["dp"].options) == [1, 2]
-    assert all(not c.continuous_update for k, c in ex.controls.items()
-               if isinstance(c, W.SelectionSlider))
-    assert ex.set(dp=1) is not None
-    mem1 = _memory_data(ex)
-    assert list(ex.controls["micro_batch"].options) == [1, 2, 4, 8]
+    return Explorer(cluster or FakeCluster(), base or RunConfig(global_batch=8, steps=3),
+                    **{"run_now": False, **kw})
+
+
+def test_explorer_defaults_to_the_whole_cluster():
+    """Without a base config the explorer's dp is the cluster's world size (the batch of 8
+    splits over it), so `Explorer(cluster)` uses every rank."""
+    from labkit_widgets import Explorer
+
+    for ws, dp in ((2, 2), (4, 4), (3, 1), (6, 2)):
+        ex = Explorer(FakeCluster(world_size=ws), run_now=False, timeline=False)
+        assert ex.base.parallel.dp == dp and ex.controls["dp"].value == dp, (ws, dp)
+
+
+#: for each control: a non-default value, where it applies and where it does not (None:
+#: it always applies)
+MAPPING = {"dp": (2, {}, None), "micro_batch": (2, {}, None),
+           "zero_stage": (3, {"dp": 2}, None),
+           "hsdp_replicas": (2, {"dp": 2, "zero_stage": 1}, {"zero_stage": 0}),
+           "prefetch": (False, {"dp": 2, "zero_stage": 3}, {"zero_stage": 2}),
+           "dp_mode": ("naive", {"dp": 2}, {"zero_stage": 1}),
+           "bucket_mb": (0.01, {"dp": 2}, {"dp_mode": "naive"}), "pp": (2, {"dp": 1}, None),
+           "schedule": ("gpipe", {"pp": 2, "dp": 1}, {"pp": 1}),
+           "microbatches": (2, {"pp": 2, "dp": 1}, {"pp": 1}),
+           "virtual_stages": (1, {"pp": 2, "dp": 1}, {"pp": 1}),
+           "checkpoint": ("full", {}, None), "precision": ("bf16", {}, None),
+           "tp": (2, {}, None), "sequence_parallel": (True, {"tp": 2}, {"tp": 1}),
+           "cp": (2, {}, None), "cp_method": ("ulysses", {"cp": 2}, {"cp": 1}),
+           "cp_zigzag": (False, {"cp": 2}, {"cp": 1}), "ep": (2, {"dp": 2}, None)}
+
+
+def _field(cfg, name):
+    return getattr(cfg.parallel if name in ("dp", "tp", "pp", "cp", "ep") else cfg, name)
+
+
+def test_every_control_maps_to_its_config_field():
+    """Each control sets its RunConfig field (degrees into parallel, "auto" = None) where it
+    applies, and leaves the field at its default where validate would call it ignored."""
+    from labkit_widgets.explorer_controls import DEFAULTS
+    from labkit_widgets.explorer_controls import NAMES
+
+    ex = _explorer(base=RunConfig(global_batch=8, steps=3).replace(dp=2))
+    assert set(ex.controls) == set(NAMES) == set(MAPPING)
+    for name, (value, where, elsewhere) in MAPPING.items():
+        cfg = ex.config(**where, **{name: value})
+        assert _field(cfg, name) == value, (name, _field(cfg, name))
+        if elsewhere is not None:  # where the knob does not apply its field stays default
+            off = ex.config(**{**where, **elsewhere}, **{name: value})
+            assert _field(off, name) == _field(DEFAULTS, name), name
+    assert ex.config(micro_batch=None).micro_batch is None
+    assert ex.config(pp=2, dp=1, microbatches=None).microbatches is None
+    # the available ones, through set() on the fake cluster (the observe path's twin)
+    fake = FakeCluster()
+    ex = _explorer(fake, base=RunConfig(global_batch=8, steps=3).replace(dp=2))
+    for name in ("micro_batch", "zero_stage", "dp_mode", "bucket_mb", "checkpoint",
+                 "precision"):
+        value, where, _ = MAPPING[name]
+        assert ex.set(**where, **{name: value}) is not None, (name, ex.last_error)
+        assert _field(fake.configs[-1], name) == value and ex.controls[name].value == value
+        ex.set(**{name: _field(RunConfig(), name) if name != "micro_batch" else None})
+    ex.set(zero_stage=1, hsdp_replicas=2)
+    assert fake.configs[-1].hsdp_replicas == 2
+    ex.set(zero_stage=3, hsdp_replicas=1, prefetch=False)
+    assert (fake.configs[-1].zero_stage, fake.configs[-1].prefetch) == (3, False)
+
+
+def test_applies_mirrors_validate():
+    """A knob is greyed exactly where validate refuses a non-default value of it as having
+    "no effect here" (labkit.validate's composition rules), over a grid of contexts."""
+    from itertools import product
+
+    from labkit_widgets import explorer_controls as C
+
+    rules = [n for n in C.NAMES if n in C._APPLIES]
+    for name, pp, zero, mode, other in product(rules, (1, 2), (0, 1, 2, 3), ("ddp", "naive"),
+                                               (1, 2)):
+        # tp / cp > 1 are refused before the composition rules: vary them for their knobs
+        tp = other if name == "sequence_parallel" else 1
+        cp = other if name in ("cp_method", "cp_zigzag") else 1
+        vals = {**C.initial_values(RunConfig()), "dp": 2, "pp": pp, "zero_stage": zero,
+                "dp_mode": mode if zero == 0 else "ddp", "tp": tp, "cp": cp}
+        alt = next(v for v in C.BY_NAME[name].values(8, RunConfig())
+                   if C.to_field(name, v) != getattr(RunConfig(), name))
+        cfg = C.compose(RunConfig(), vals)[0]
+        try:
+            cfg.replace(**{name: C.to_field(name, alt)}).validate()
+            ignored = False
+        except ValueError as exc:
+            ignored = str(exc).startswith(f"{name}=") and "has no effect here" in str(exc)
+        assert ignored == (not C.applies(name, vals)), (name, vals)
+
+
+def test_only_values_validate_accepts_are_offered_and_the_rest_say_why():
+    from labkit_widgets import explorer_controls as C
+
+    ex = _explorer(FakeCluster(world_size=4), RunConfig(global_batch=8).replace(dp=4))
+    c = ex.controls
+    assert [v for _, v in c["pp"].options] == [1] and c["pp"].disabled
+    assert [v for _, v in c["dp"].options] == [1, 2, 4]  # dp=3 does not split the batch
+    note = _plain(ex.unavailable.value)
+    for refused in (RunConfig(global_batch=8).replace(dp=4, pp=2),
+                    RunConfig(global_batch=8).replace(dp=3),
+                    RunConfig(global_batch=8).replace(dp=4, micro_batch=4)):
+        with pytest.raises(ValueError) as why:
+            refused.validate(4)
+        assert str(why.value) in note, str(why.value)
+    assert "pp=2" in note and "8 ranks" in note and "world_size=4" in note
+    # tensor, context and expert degrees are offered where the model and mesh allow them
+    # and refused in validate's words where not (the tiny GPT is dense: no ep)
+    assert [v for _, v in c["tp"].options] == [1] and "ep=2 needs a mixture-of-experts" in note
+    assert "prefetch" in note and "ZeRO-3" in note  # greyed, in validate's words
+    assert c["prefetch"].disabled and c["schedule"].disabled
     ex.set(dp=2)
-    assert _memory_data(ex) != mem1 and len(ex.history) == 2
-    assert list(ex.controls["micro_batch"].options) == [1, 2, 4]  # recomputed for dp=2
-    assert ex.controls["micro_batch"].value == 4 and fake.configs[-1].micro == 4
-    assert busy == [True, True] and not ex.controls["dp"].disabled  # disabled while running
-    assert ex.last_latency_s > 0 and ex.last_result.config.parallel.dp == 2
-    assert "re-run took" in _text(ex.status.value)
-    comm_fig = ex.figures["comm"]
-    assert list(comm_fig.data[1].y) == pytest.approx([2 * 0.5 * 4e5 / 2 ** 20] * 2)
-    assert ex.figures["mfu"].data[0].value == pytest.approx(ex.history[-1]["mfu_pct"])
-    assert "<table" in ex.history_html.value and ex.history_html.value.count("<tr") == 3
-    # a slider change runs through observe, exactly like a user drag
-    ex.controls["dp_mode"].value = "naive"
-    assert len(ex.history) == 3 and fake.configs[-1].dp_mode == "naive"
-    ex.set(micro_batch=2, bucket_mb=0.01)
-    assert (fake.configs[-1].micro, fake.configs[-1].bucket_mb) == (2, 0.01)
-    assert len(fake.configs) == 4  # one run per set(), however many controls it changed
+    assert [v for _, v in c["pp"].options] == [1, 2] and not c["pp"].disabled
+    assert [v for _, v in c["tp"].options] == [1, 2] and [v for _, v in c["cp"].options] == [1, 2]
+    # everything offered validates (changing that control alone); nothing else is offered
+    for vals in (ex.values, {**ex.values, "pp": 2}, {**ex.values, "zero_stage": 3}):
+        avail = C.availability(ex.base, vals, 4)
+        for name, a in avail.items():
+            for v in a["offer"]:
+                assert C.check(C.compose(ex.base, {**vals, name: v})[0], 4) is None, (name, v)
+            for v, why in a["refused"].items():
+                assert why == C.check(C.compose(ex.base, {**vals, name: v})[0], 4)
 
 
-def test_explorer_invalid_shows_error_not_exception():
-    from labkit_widgets import Explorer
-
-    ex = Explorer(FakeCluster(), RunConfig(global_batch=8, steps=2), run_now=True)
+def test_invalid_set_shows_the_reason_and_raises_nothing():
+    ex = _explorer(FakeCluster(world_size=4), RunConfig(global_batch=8).replace(dp=4),
+                   run_now=True)
     assert len(ex.history) == 1
-    for bad in ({"dp": 3}, {"micro_batch": 3}, {"dp_mode": "zero9"}, {"global_batch": 3, "dp": 2}):
+    before = dict(ex.values)
+    for bad, words in (({"dp": 3}, "global_batch=8 is not divisible by dp=3"),
+                       ({"micro_batch": 3}, "micro_batch"),
+                       ({"dp_mode": "zero9"}, "dp_mode must be one of"),
+                       ({"global_batch": 3}, "global_batch=3"),
+                       ({"pp": 2}, "= 8 ranks but the cluster has world_size=4"),
+                       ({"tp": 3, "dp": 1}, "n_heads=4 does not divide by tp=3"),
+                       ({"ep": 2}, "ep=2 needs a mixture-of-experts model"),
+                       ({"zero_stage": 4}, "got 4"),
+                       ({"zero_stage": 1, "hsdp_replicas": 3}, "hsdp_replicas=3 does not "
+                                                                "divide dp=4"),
+                       ({"dp": "2"}, "positive int")):
         assert ex.set(**bad) is None, bad
-        status = _text(ex.status.value)
-        assert "labkit-status-error" in status and "invalid configuration" in status, bad
-        assert isinstance(ex.last_error, ValueError)
-    assert "global_batch=3" in status and "not divisible" in status
+        status = _plain(ex.status.value)
+        assert "labkit-status-error" in ex.status.value and "invalid configuration" in status
+        assert words in status, (bad, status)
+        assert isinstance(ex.last_error, ValueError) and ex.values == before
+        assert all(ex.controls[k].value == v for k, v in before.items())
     assert len(ex.history) == 1 and not ex.controls["dp"].disabled
     with pytest.raises(TypeError):
         ex.set(dpp=2)  # a typo is a programming error, not a configuration to show
-    ex.set(global_batch=8)  # recovers
-    assert ex.last_error is None and len(ex.history) == 2
+    assert ex.set(dp=2) is not None and ex.last_error is None and len(ex.history) == 2
 
 
-def test_explorer_static_figures():
+def test_a_rerun_updates_every_figure_with_messages_the_browser_applies():
+    """A run redraws every figure it changed (memory bars, gauge, bytes, timeline) in one
+    pass after the job, with restyle and relayout messages only: plotly's batched
+    ``Plotly.update`` message is not applied by its front end in JupyterLab."""
+    busy = []
+    fake = FakeCluster(on_run=lambda cfg: busy.append(
+        (ex.controls["dp"].disabled, "running" in ex.status.value)))
+    ex = _explorer(fake, RunConfig(global_batch=8, steps=3).replace(dp=2))
+    sent: list = []
+    for name, fig in ex.figures.items():
+        for kind in ("update", "restyle", "relayout"):
+            real = getattr(fig, f"_send_{kind}_msg")
+            setattr(fig, f"_send_{kind}_msg",
+                    lambda *a, _n=name, _k=kind, _r=real, **k: (sent.append((_n, _k)),
+                                                                _r(*a, **k)))
+    def one_batch(change) -> set:
+        """Run ``change``; check the figures that changed sent restyle/relayout messages
+        and no batched update, and the others sent nothing; return their names."""
+        before = {name: _data(fig) for name, fig in ex.figures.items()}
+        sent.clear()
+        change()
+        changed = {n for n, fig in ex.figures.items() if _data(fig) != before[n]}
+        assert {n for n, _k in sent} == changed and {k for _n, k in sent} <= {
+            "restyle", "relayout"}, sent
+        return changed
+
+    # the bubble panel says "no pipeline at pp=1" from the start (the real pipeline test
+    # sees it change)
+    everything = {"memory", "mfu", "comm", "timeline"}
+    assert one_batch(lambda: ex.set(dp=1)) == everything
+    assert one_batch(lambda: setattr(ex.controls["dp"], "value", 2)) == everything  # a drag
+    assert busy == [(True, True), (True, True)] and not ex.controls["dp"].disabled
+    assert fake.configs[-1].parallel.dp == 2 and len(ex.history) == 2
+    assert ex.figures["mfu"].data[0].value == pytest.approx(ex.history[-1]["mfu_pct"])
+    assert ex.last_latency_s > 0 and "figures updated" in _plain(ex.status.value)
+
+
+def test_figure_widgets_open_with_the_first_run(monkeypatch):
+    """The browser draws a figure widget from the state the widget opens with and drops
+    updates that arrive before plotly's module has loaded (plotly itself opens the widget
+    before it sets the figure: half the figures of a cell came up empty in JupyterLab). So
+    every figure of an explorer that ran at construction opens holding that run."""
+    import copy
+
+    from plotly.basewidget import BaseFigureWidget
+
+    opened = {}
+    real_open = W.Widget.open
+
+    def spy(self):
+        if isinstance(self, BaseFigureWidget):
+            state = self.get_state()
+            opened[id(self)] = copy.deepcopy((state["_widget_data"], state["_widget_layout"]))
+        real_open(self)
+
+    monkeypatch.setattr(W.Widget, "open", spy)
+    ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2),
+                   run_now=True)
+    assert len(ex.history) == 1 and set(ex.figures) == {"memory", "mfu", "comm", "bubble",
+                                                        "timeline"}
+    for name, fig in ex.figures.items():
+        data, layout = opened[id(fig)]
+        assert data == fig._data and layout == fig._layout, name
+    assert ex.figures["mfu"]._widget_data[0]["value"] == pytest.approx(ex.history[0]["mfu_pct"])
+    assert "dp AR" in ex.figures["comm"]._widget_data[0]["x"][1]
+    assert ex.timeline.fig is ex.figures["timeline"] and ex.timeline in ex.children
+    assert len(_traces(ex.figures["timeline"])["forward"].x) == 2 * 2  # 2 ranks x 2 timed steps
+    ex.set(dp=1)  # later runs edit the same widgets
+    assert ex.figures["mfu"]._widget_data != ex.figures["mfu"]._data
+
+
+def test_figures_say_what_they_show():
+    ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2))
+    ex.set(dp=1)
+    comm_fig, bubble = ex.figures["comm"], ex.figures["bubble"]
+    assert [a.text for a in comm_fig.layout.annotations] == ["no communication at dp=1"]
+    assert comm_fig.layout.xaxis.visible is False
+    assert [a.text for a in bubble.layout.annotations] == ["no pipeline at pp=1"]
+    assert ex.figures["mfu"].data[0].mode == "gauge+number"  # no delta after one run
+    ex.set(dp=2)
+    assert not comm_fig.layout.annotations and comm_fig.layout.xaxis.visible
+    meas, pred = comm_fig.data
+    assert list(meas.x[1]) == ["dp AR", "dp AR"] and list(meas.y) == list(pred.y)
+    assert ex.figures["mfu"].data[0].mode == "gauge+number+delta"
+    assert "HFU" in ex.figures["mfu"].layout.title.text
+    mem = ex.figures["memory"]
+    assert list(mem.data[0].x[1]) == ["peak", "state", "pred."] * 2
+    grads = {t.name: t for t in mem.data}["gradients"]
+    assert grads.y[0] == 0 and grads.y[1] > 0 and grads.y[2] == grads.y[1]  # peak vs state
+    assert "gradients may not exist yet" in mem.layout.title.text
+
+
+def test_history_rows_and_table():
+    from labkit_widgets.explorer_figures import HISTORY_COLUMNS, layout_string
+
+    ex = _explorer(FakeCluster(world_size=4), RunConfig(global_batch=8).replace(dp=4))
+    ex.set(dp=2)
+    ex.set(zero_stage=3, prefetch=False)
+    ex.set(zero_stage=0, checkpoint="full")
+    rows = ex.history
+    assert [r["layout"] for r in rows] == ["dp2", "dp2·Z3", "dp2"]
+    assert rows[1]["knobs"] == "no-prefetch" and rows[2]["knobs"] == "ckpt full"
+    assert [r["run"] for r in rows] == [1, 2, 3] and all(r["latency_s"] > 0 for r in rows)
+    assert all(r["loss"] == pytest.approx(3.9) and r["bubble_pct"] is None for r in rows)
+    table = ex.history_html.value
+    assert all(f">{h}<" in html.unescape(table) for h, _k, _f in HISTORY_COLUMNS)
+    assert table.index("ckpt full") < table.index("no-prefetch")  # newest first
+    assert table.count("<tr") == 4 and "max-width:100%" in table
+    cfg = RunConfig(global_batch=8).replace(dp=2, pp=2, zero_stage=3, microbatches=4)
+    assert layout_string(cfg) == "dp2·pp2·Z3·1f1b M4"
+    assert layout_string(cfg.replace(schedule="interleaved", zero_stage=1, hsdp_replicas=2)) \
+        == "dp2·pp2·Z1·HSDP2·interleaved M4 V2"
+
+
+def test_a_measured_configuration_reuses_its_memory():
+    """Back to a configuration already run: the memory-tracked step is skipped and the
+    figure shows the memory measured then, naming that run."""
+    fake = FakeCluster()
+    ex = _explorer(fake, RunConfig(global_batch=8, steps=5).replace(dp=2))
+    ex.set(dp=1)
+    ex.set(dp=2)
+    assert [c.measure_memory for c in fake.configs] == [True, True]
+    assert all(c.steps == 3 for c in fake.configs)  # max_steps: warm-up, timed, memory
+    mem2 = ex.figures["memory"].to_dict()["data"]
+    ex.set(dp=1)
+    assert fake.configs[-1].measure_memory is False
+    assert "memory from run #1" in _plain(ex.status.value)
+    assert "measured in run #1" in ex.figures["memory"].layout.title.text
+    assert ex.last_metrics[0]["memory"]["peak_total"] > 0
+    ex.set(dp=2)
+    assert ex.figures["memory"].to_dict()["data"] == mem2
+    assert fake.configs[-1].measure_memory is False
+    assert "measured in run #2" in ex.figures["memory"].layout.title.text
+
+
+def test_follows_a_replaced_cluster_and_says_starting():
+    seen = []
+
+    class Pool(FakeCluster):
+        current = None
+        warm = True
+
+        def ready(self):
+            return self.warm
+
+    old, new = Pool(), Pool(on_run=lambda cfg: seen.append(_plain(ex.status.value)))
+    ex = _explorer(old, RunConfig(global_batch=8).replace(dp=2))
+    old.current, new.warm = new, False  # a re-run Cluster(...) cell replaced the pool
+    assert ex.set(dp=1) is not None and ex.cluster is new and new.configs and not old.configs
+    assert seen == ["⏳ starting ranks… (a fresh pool imports torch on every rank: a few "
+                    "seconds, once)"]
+    status = _plain(ex.status.value)
+    assert "following the newer cluster" in status and "ranks were started first" in status
+    assert ex._is_warm(type("C", (), {"__repr__": lambda s: "Cluster(..., closed)"})()) is False
+
+
+def test_static_rendering(monkeypatch):
     import plotly.graph_objects as go
     from plotly.basewidget import BaseFigureWidget
 
-    from labkit_widgets import Explorer
-
-    ex = Explorer(FakeCluster(), RunConfig(global_batch=4, steps=1))
+    ex = _explorer(FakeCluster(), RunConfig(global_batch=4, steps=1), run_now=True)
     for name, live in ex.figures.items():
         snap = ex.figure(name)
         assert isinstance(live, BaseFigureWidget) and not isinstance(snap, BaseFigureWidget)
-        assert isinstance(snap, go.Figure)
-        assert snap.to_dict()["data"] == live.to_dict()["data"]
+        assert isinstance(snap, go.Figure) and snap.to_dict()["data"] == live.to_dict()["data"]
     assert set(ex.figures) == {"memory", "mfu", "comm", "bubble", "timeline"}
-    assert list(ex.figure().data[0].x[1][:2]) == ["measured", "predicted"]
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    ex.static()
+    assert sum(isinstance(o, go.Figure) for o in shown) == 5
+    assert any("runs tried" in getattr(o, "data", "") or "labkit-history" in
+               getattr(o, "data", "") for o in shown)
 
 
-@needs_train
-def test_explorer_real_train(cluster):
-    from labkit_widgets import Explorer
+def test_pipeline_action_spans_are_coloured_by_kind():
+    from labkit_widgets import _style as S
 
-    ex = Explorer(cluster, RunConfig(steps=2, global_batch=8), run_now=False)
+    assert [S.compute_family(n) for n in ("F", "B", "W", "BW", "layers.0.forward", "data")] \
+        == ["forward", "backward", "backward", "backward", "forward", "other"]
+
+
+def test_explorer_real_dp_and_zero(cluster):
+    """On the real job: dp 1 → 2 changes the memory and bytes; ZeRO-3 shards the
+    parameters (model state measured equals predicted) and its bytes per collective
+    equal the formula; a revisited configuration reuses its memory."""
+    ex = _explorer(cluster, RunConfig(steps=3, global_batch=8))
     ex.set(dp=1)
     assert ex.last_error is None, ex.last_error
-    mem1 = _memory_data(ex)
+    mem1 = _data(ex.figures["memory"])
     ex.set(dp=2)
     assert ex.last_error is None, ex.last_error
-    assert _memory_data(ex) != mem1 and len(ex.history) == 2
-    m = ex.last_result.metrics
-    assert len(m) == 2 and m[0]["comm_bytes_per_step"] > 0 and ex.history[-1]["comm_bytes"] > 0
-    assert len(_traces(ex.figures["timeline"])["backward"].x) > 0
-    assert 0 < ex.last_latency_s < 60
-    print(f"Explorer tiny-model re-run latency: {ex.last_latency_s:.3f} s")
-
-
-def test_explorer_checkpoint_policy_reruns(cluster):
-    """The recompute control re-runs with the policy: HFU rises above MFU, activations fall."""
-    from labkit_widgets import Explorer
-
-    ex = Explorer(cluster, RunConfig(steps=3, global_batch=8).replace(dp=2), run_now=False)
-    ex.set(checkpoint="none")
-    plain = ex.last_result.metrics[0]
-    ex.set(checkpoint="full")
-    assert ex.last_error is None, ex.last_error
-    full = ex.last_result.metrics[0]
-    assert ex.history[-1]["checkpoint"] == "full"
-    assert full["hfu"] > full["mfu"] and plain["hfu"] == plain["mfu"]
-    assert full["memory"]["peak"]["activations"] < plain["memory"]["peak"]["activations"]
-    ex.set(checkpoint="sometimes")
-    assert "sometimes" in ex.status.value and ex.last_error is not None
-
-
-def test_explorer_zero_controls_without_running():
-    """The ZeRO controls: HSDP options follow dp, prefetch only at stage 3, the job picked."""
-    from labkit.parallel.zero_jobs import zero_train
-    from labkit_widgets import Explorer
-
-    ex = Explorer(FakeCluster(), RunConfig(global_batch=8, steps=2).replace(dp=2),
-                  run_now=False)
-    c = ex.controls
-    assert list(c["zero_stage"].options) == [0, 1, 2, 3] and c["zero_stage"].value == 0
-    assert [v for _, v in c["hsdp_replicas"].options] == [1, 2] and c["prefetch"].disabled
-    assert ex.job_config()[0] is jobs.train and not c["dp_mode"].disabled
-    c["dp"].value = 1  # the slider path (re-runs the train job on the fake cluster)
-    assert [v for _, v in c["hsdp_replicas"].options] == [1]
-    job, cfg = ex.job_config(zero_stage=3, prefetch=False, hsdp_replicas=1)
-    assert job is zero_train and (cfg.zero_stage, cfg.prefetch, cfg.hsdp_replicas) == (3, False, 1)
-    assert ex.set(dp=2, zero_stage=0, hsdp_replicas=2) is None  # stage 0 has no HSDP
-    assert "hsdp_replicas=2 needs zero_stage 1-3" in _text(ex.status.value)
-    assert c["dp"].value == 1  # nothing changed
-
-
-def test_explorer_zero_stages_real(cluster):
-    """dp=2: stage 0 → 3 re-runs the ZeRO job; the parameters bar halves; bytes per
-    collective measured beside predicted; prefetch and HSDP re-run; bad combos are shown."""
-    from labkit.parallel.zero_config import ZeroConfig
-    from labkit_widgets import Explorer
-
-    ex = Explorer(cluster, RunConfig(steps=3, global_batch=8).replace(dp=2), run_now=False)
-    ex.set(zero_stage=0)
-    assert ex.last_error is None and isinstance(ex.last_result.config, RunConfig)
-    mem0, params0 = _memory_data(ex), ex.figures["memory"].data[0].y[0]  # rank 0 measured
+    assert _data(ex.figures["memory"]) != mem1 and len(ex.history) == 2
+    meas, pred = ex.figures["comm"].data
+    assert list(meas.x[1]) == ["dp AR", "dp AR"] and list(meas.y) == pytest.approx(list(pred.y))
+    dp2_memory = [r["memory"] for r in ex.last_metrics]
     ex.set(zero_stage=3)
     assert ex.last_error is None, ex.last_error
-    cfg = ex.last_result.config
-    assert isinstance(cfg, ZeroConfig) and (cfg.zero_stage, cfg.prefetch) == (3, True)
-    assert _memory_data(ex) != mem0
-    params3 = ex.figures["memory"].data[0].y[0]
-    assert 1.9 < params0 / params3 < 2.1  # parameters sharded over K=2 ranks
+    m = ex.last_metrics
+    assert all(r["memory"]["model_state"]["parameters"] == r["memory_predicted"]["parameters"]
+               for r in m)
     meas, pred = ex.figures["comm"].data
-    assert set(meas.x[1]) == {"reduce_scatter", "all_gather"}
-    assert list(meas.y) == pytest.approx(list(pred.y))  # counted bytes == the formula
-    row = ex.history[-1]
-    assert (row["zero_stage"], row["prefetch"], row["replicas"]) == (3, True, 1)
-    assert row["overlap_pct"] is not None and "AG hidden" in ex.history_html.value
-    assert not ex.controls["prefetch"].disabled and ex.controls["dp_mode"].disabled
+    assert set(meas.x[1]) == {"dp RS", "dp AG"} and list(meas.y) == list(pred.y)
+    assert ex.history[-1]["layout"] == "dp2·Z3"
     assert len(_traces(ex.figures["timeline"])["blocked"].x) > 0  # all-gather waits
-    print(f"Explorer ZeRO-3 (tiny, dp=2) re-run latency: {ex.last_latency_s:.3f} s")
-    assert 0 < ex.last_latency_s < 60
-    ex.controls["prefetch"].value = False  # the observe path, like a click
-    assert len(ex.history) == 3 and ex.last_result.config.prefetch is False
-    assert ex.history[-1]["prefetch"] is False
-    ex.set(zero_stage=3, prefetch=False, hsdp_replicas=2)
-    assert ex.last_error is None, ex.last_error
-    assert ex.last_result.config.hsdp_replicas == 2 and ex.history[-1]["replicas"] == 2
-    assert "all_reduce" in ex.figures["comm"].data[0].x[1]  # across the replica groups
-    n = len(ex.history)
-    assert ex.set(hsdp_replicas=3) is None
-    status = _text(ex.status.value)
-    assert "invalid configuration" in status and "hsdp_replicas=3" in status and "dp=2" in status
-    assert ex.set(zero_stage=4) is None and "got 4" in _text(ex.status.value)
-    assert len(ex.history) == n and ex.controls["hsdp_replicas"].value == 2
-    ex.set(zero_stage=1, hsdp_replicas=1)
-    assert ex.last_error is None and ex.controls["prefetch"].disabled
-    assert set(ex.last_result.metrics[0]["comm_bytes_by_op"]) == {"reduce_scatter", "all_gather"}
     ex.set(zero_stage=0)
-    assert isinstance(ex.last_result.config, RunConfig) and not ex.controls["dp_mode"].disabled
+    assert ex.last_result.config.measure_memory is False and ex.last_error is None
+    assert [r["memory"] for r in ex.last_metrics] == dp2_memory
+    print(f"Explorer tiny re-run latency (dp=2, revisit): {ex.last_latency_s:.3f} s")
 
 
-def test_explorer_pipeline_real(cluster):
-    """pp=2 runs the pipeline job: bubble measured beside simulated (figure and history),
-    activation memory per rank, MFU; dp/ZeRO are off and combining them is refused in the
-    status line; pp=1 runs data parallelism again."""
-    from labkit.parallel.pipeline import PipelineConfig
-    from labkit_widgets import Explorer
-
-    ex = Explorer(cluster, RunConfig(steps=2, global_batch=8).replace(dp=2), run_now=False)
+def test_explorer_real_pipeline(cluster):
+    """pp = 2 runs the pipeline: bubble measured beside simulated per rank (and the
+    executor band), compute spans coloured forward/backward, a history bubble %; pp back
+    to 1 says "no pipeline at pp=1" again. A deepened model is said in the status."""
+    ex = _explorer(cluster, RunConfig(steps=3, global_batch=8))
     c = ex.controls
-    assert list(c["pp"].options) == [1, 2] and list(c["microbatches"].options) == [1, 2, 4, 8]
-    assert c["microbatches"].disabled and c["schedule"].disabled and not c["dp"].disabled
-    ex.set(pp=2, microbatches=4)
+    ex.set(dp=1)
+    assert [v for _, v in c["pp"].options] == [1, 2]
+    c["pp"].value = 2  # the slider path
     assert ex.last_error is None, ex.last_error
     cfg = ex.last_result.config
-    assert isinstance(cfg, PipelineConfig)
-    assert (cfg.pp, cfg.microbatches, cfg.schedule) == (2, 4, "1f1b")
-    assert c["dp"].value == 1 and c["dp"].disabled and c["zero_stage"].disabled
-    assert not c["microbatches"].disabled and not c["schedule"].disabled
-    meas, sim = ex.figures["bubble"].data
+    assert (cfg.parallel.pp, cfg.schedule) == (2, "1f1b") and not c["schedule"].disabled
+    meas, sim, executor = ex.figures["bubble"].data
     assert list(meas.x) == list(sim.x) == ["all ranks", "rank 0", "rank 1"]
-    assert all(0 < y < 100 for y in list(meas.y) + list(sim.y))
-    title = ex.figures["bubble"].layout.title.text
-    assert "measured" in title and "simulated" in title and "1f1b P=2 M=4" in title
-    row = ex.history[-1]
-    assert (row["pp"], row["schedule"], row["microbatches"]) == (2, "1f1b", 4)
-    assert row["bubble_pct"] == pytest.approx(meas.y[0])
-    assert row["bubble_sim_pct"] == pytest.approx(sim.y[0])
-    assert "bubble % meas" in ex.history_html.value and "bubble % sim" in ex.history_html.value
-    mem = _traces(ex.figures["memory"])
-    peaks = [m["peak_activation_bytes"] / 2 ** 20 for m in ex.last_result.metrics]
-    assert list(mem["activations"].y) == pytest.approx(peaks) and min(peaks) > 0
-    assert all(y > 0 for y in mem["parameters"].y)
-    assert row["mfu_pct"] > 0 and ex.figures["mfu"].data[0].value == pytest.approx(row["mfu_pct"])
-    assert "ceiling" in ex.figures["mfu"].layout.title.text
-    print(f"Explorer pp=2 1F1B re-run latency: {ex.last_latency_s:.3f} s")
-    assert 0 < ex.last_latency_s < 60
-    ex.controls["schedule"].value = "gpipe"  # the observe path: GPipe holds all M on rank 0
-    assert ex.last_error is None and ex.last_result.config.schedule == "gpipe"
-    assert [m["peak_inflight"] for m in ex.last_result.metrics] == [4, 4]
-    print(f"Explorer pp=2 warm re-run (schedule change) latency: {ex.last_latency_s:.3f} s")
-    n = len(ex.history)
-    for bad, words in (({"dp": 2}, ["N-D composition is not available yet", "dp=2"]),
-                       ({"zero_stage": 3}, ["N-D composition", "zero_stage=3"]),
-                       ({"microbatches": 3}, ["microbatches=3", "global_batch=8"]),
-                       ({"schedule": "dualpipe"}, ["unknown schedule 'dualpipe'"])):
-        assert ex.set(**bad) is None, bad
-        status = _text(ex.status.value)
-        assert "invalid configuration" in status and all(w in status for w in words), status
-    assert len(ex.history) == n and c["pp"].value == 2 and c["schedule"].value == "gpipe"
-    ex.set(pp=1, dp=2)
-    assert ex.last_error is None and isinstance(ex.last_result.config, RunConfig)
-    assert ex.last_result.config.parallel.dp == 2 and ex.history[-1]["pp"] == 1
-    assert "no pipeline" in ex.figures["bubble"].layout.title.text
-    assert not c["dp"].disabled and c["microbatches"].disabled
-    c["pp"].value = 2  # the slider path: dp goes to 1 quietly, the pipeline runs
-    assert ex.last_error is None and isinstance(ex.last_result.config, PipelineConfig)
-    assert c["dp"].value == 1 and len(ex.history) == n + 2
+    # measured idle is timing (a loaded machine can hide a rank's wait); the simulator's
+    # 1F1B at P=2 always idles
+    assert all(0 <= y < 100 for y in meas.y) and all(0 < y < 100 for y in sim.y)
+    assert ex.history[-1]["bubble_pct"] == pytest.approx(meas.y[0])
+    assert "simulated" in ex.figures["bubble"].layout.title.text
+    assert not ex.figures["bubble"].layout.annotations
+    t = _traces(ex.figures["timeline"])
+    assert len(t["forward"].x) > 0 and len(t["backward"].x) > 0
+    assert not any(cd[0] in ("F", "B", "BW", "W") for cd in t["other"].customdata)
+    assert list(ex.figures["comm"].data[0].x[1]) == ["pp send", "pp send"]
+    ex.set(schedule="interleaved")
+    assert ex.last_error is None, ex.last_error
+    assert "deepened from 2 to 4 layers" in _plain(ex.status.value)
+    assert ex.history[-1]["layout"] == "dp1·pp2·interleaved M4 V2"
+    c["pp"].value = 1
+    assert ex.last_error is None and [a.text for a in ex.figures["bubble"].layout.annotations] \
+        == ["no pipeline at pp=1"]
+    assert c["schedule"].disabled and c["schedule"].value == "interleaved"  # kept, greyed
+    print(f"Explorer pp=2 re-run latency: {ex.history[-2]['latency_s']:.3f} s")

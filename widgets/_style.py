@@ -53,12 +53,19 @@ def compute_family(name: str) -> str:
 
     ``"layers.1.backward"`` → backward; ``"optimizer.step"`` / ``"optim"`` → optimizer.
     """
+    if name in PIPELINE_ACTIONS:  # a pipeline executor's span: F, B, W or BW
+        return PIPELINE_ACTIONS[name]
     n = (name or "").lower()
     for fam, keys in (("backward", ("backward", "bwd")), ("forward", ("forward", "fwd")),
                       ("optimizer", ("optim",))):
         if any(k in n for k in keys):
             return fam
     return "other"
+
+
+#: the pipeline executor names its compute spans by action kind: forward, backward (input
+#: gradient, or the whole backward "BW"), and the zero-bubble schedules' weight gradient
+PIPELINE_ACTIONS = {"F": "forward", "B": "backward", "BW": "backward", "W": "backward"}
 
 
 def comm_family(op: Optional[str]) -> str:

@@ -32,7 +32,7 @@ from labkit.parallel.context import METHODS, chunk_ids, jobs
 from labkit.parallel.context.report import attention_report
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 from .context_frames import color_scale, context_frame, context_frames
 
 __all__ = ["ContextParallelView"]
@@ -57,7 +57,7 @@ def _base_figure() -> go.FigureWidget:
                       legend=dict(orientation="h", y=-0.08))
     fig.update_yaxes(autorange="reversed", row=1, col=1)
     fig.update_yaxes(autorange="reversed", row=1, col=2)
-    return go.FigureWidget(fig)
+    return live(fig)
 
 
 class ContextParallelView(StaticFigure, W.VBox):

@@ -27,7 +27,7 @@ from plotly.subplots import make_subplots
 from labkit.parallel.expert.measure import expert_numel, imbalance
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["ExpertView", "expert_load", "a2a_frames", "routing_ranks"]
 
@@ -136,7 +136,7 @@ def _base_figure() -> go.FigureWidget:
     fig.update_xaxes(title_text="expert", row=1, col=1)
     fig.update_yaxes(title_text="routing rank", row=1, col=1)
     fig.update_xaxes(title_text="receiving rank", row=1, col=2)
-    return go.FigureWidget(fig)
+    return live(fig)
 
 
 class ExpertView(StaticFigure, W.VBox):

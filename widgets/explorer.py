@@ -1,24 +1,28 @@
-"""``Explorer``: turn the data-parallel, ZeRO and pipeline knobs, watch a real re-run answer.
+"""``Explorer``: every degree and knob of one ``RunConfig``; a release re-runs the training job.
 
-Sliders and toggles pick dp, the micro-batch, the DDP bucket, the gradient-sync mode, the
-recompute policy, the ZeRO stage (0–3), FSDP prefetch (stage 3 only), the HSDP replica
-groups ``M`` (a divisor of dp; 1 = off), the pipeline degree ``pp`` (1 = off), microbatches
-and schedule. Every change runs on the warm cluster — a real run, never a formula dressed
-as a measurement: stage 0 without HSDP runs ``labkit.jobs.train`` (a ``RunConfig``), other
-ZeRO settings ``zero_train`` (a ``ZeroConfig``), ``pp > 1`` the pipeline executor (a
-``PipelineConfig``; dp and ZeRO off: :mod:`labkit_widgets.explorer_pipeline`) — and redraws
-in one ``batch_update()`` (figures: :mod:`labkit_widgets.explorer_figures`):
+One control per field (:mod:`labkit_widgets.explorer_controls`): dp, micro-batch, ZeRO
+stage, HSDP replicas, prefetch, gradient sync, DDP bucket, pp, schedule, microbatches,
+virtual stages, recompute, precision, tp, sequence parallel, cp, cp method, zigzag, ep.
+Each control offers only the values ``RunConfig.validate`` accepts from where the others
+stand; the rest are listed under the controls with validate's reason, and a knob that has
+no effect now (prefetch below ZeRO-3, the schedule at pp = 1 …) is greyed, keeping its
+value for when it applies again. No control is moved behind the user's back; the one
+adjustment the explorer makes, deepening a model shallower than its pipeline stages, is
+said in the status line.
 
-* peak memory per rank by category, measured beside the predicted model state,
-* MFU on a gauge with the lecture's bars (30 % good, 40 % excellent) and the step time,
-* bytes per collective per rank per step, measured beside the formula (2Ψ / 3Ψ …),
-* the per-rank timeline of the run (:class:`~labkit_widgets.timeline.TimelineView`),
-* the pipeline bubble, measured beside simulated (empty while ``pp = 1``),
-* a history table of every configuration tried (with stage, prefetch, replicas, the
-  fraction of all-gather time hidden under compute, pp, schedule and bubble).
+Every change re-runs :func:`labkit.jobs.train` on the warm cluster — a real run — and
+redraws every figure in one ``batch_update()`` (:mod:`~labkit_widgets.explorer_figures`,
+:mod:`~labkit_widgets.explorer_pipeline`): memory per rank by category (at the peak,
+model state measured and predicted), the MFU gauge with HFU and step time, bytes per rank
+by axis and collective beside the formula, the pipeline bubble measured beside simulated,
+the per-rank timeline, and a history row.
 
-A status line says how long the re-run took; an invalid configuration shows its
-``ValueError`` there in red instead of raising.
+The interactive re-run is lean: at most ``max_steps`` steps (a warm-up step, a timed one,
+the memory-tracked one), and a configuration already measured runs only the warm-up and the
+timed step and shows the memory it measured then (memory by category is exact bytes, the
+same every run; the figure names the run it came from). FLOP counts and the CPU peak are
+cached by the job itself. The timeline shows the timed step(s): the warm-up step pays
+one-off allocation and the memory-tracked step runs several times slower.
 """
 from __future__ import annotations
 
@@ -32,247 +36,246 @@ import plotly.graph_objects as go
 from labkit.config import RunConfig
 
 from . import _style as S
+from . import explorer_controls as C
 from . import explorer_figures as F
 from . import explorer_pipeline as P
-from .explorer_figures import BUCKET_OPTIONS_MB, CHECKPOINT_OPTIONS, DP_MODES  # noqa: F401
+from ._static import live
 from .timeline import TimelineView
 
-__all__ = ["Explorer", "BUCKET_OPTIONS_MB", "DP_MODES", "ZERO_CONTROLS"]
+__all__ = ["Explorer", "STARTING"]
 
-#: controls that are RunConfig fields, and the ZeRO knobs (ZeroConfig fields)
-RUN_CONTROLS = ("dp", "micro_batch", "bucket_mb", "dp_mode", "checkpoint")
-ZERO_CONTROLS = ("zero_stage", "prefetch", "hsdp_replicas")
-CONTROLS = RUN_CONTROLS + ZERO_CONTROLS + P.PP_CONTROLS
-#: knobs the ZeRO job does not use (greyed out while it runs)
-_DP_ONLY = ("bucket_mb", "dp_mode", "checkpoint")
+#: the status while a run waits for rank processes to start
+STARTING = "starting ranks… (a fresh pool imports torch on every rank: a few seconds, once)"
 
 
 class Explorer(W.VBox):
-    """Data-parallel / ZeRO training, re-run on the warm cluster at every control change.
+    """Training with every degree and knob of a ``RunConfig``, re-run at each change.
 
     Args:
         cluster: a warm :class:`labkit.Cluster` (anything with ``world_size`` and
-            ``run(job, config)``).
-        base_config: the run everything else comes from (default ``RunConfig()``: the tiny
-            GPT, global batch 8, 3 steps, with dp = the cluster's world size when the batch
-            splits over it, else its largest divisor that does).
-        job: what runs at ZeRO stage 0 without HSDP; default ``labkit.jobs.train``.
+            ``run(job, config)``). A cluster replaced by a newer one of the same kind is
+            followed (see :meth:`_live_cluster`).
+        base_config: where every field starts (default ``RunConfig()``: the tiny GPT,
+            global batch 8, 3 steps, dp = the largest divisor of the batch that fits the
+            cluster).
+        job: what runs; default :func:`labkit.jobs.train`.
         run_now: run the starting configuration at construction.
-        timeline: also show the run's per-rank timeline.
+        timeline: show the run's per-rank timeline.
+        max_steps: the most steps a re-run trains (``None``: the base config's).
 
     Attributes:
-        controls: dict name → widget: ``dp``, ``micro_batch``, ``bucket_mb``, ``dp_mode``,
-            ``checkpoint``, ``zero_stage`` (0–3), ``prefetch`` (bool; enabled at stage 3
-            only), ``hsdp_replicas`` (``M``, a divisor of dp; 1 = off), ``pp`` (1 = off),
-            ``microbatches``, ``schedule`` (the last two enabled while ``pp > 1``).
-        figures: dict name → ``go.FigureWidget`` (``memory``, ``mfu``, ``comm``,
-            ``bubble``, and ``timeline`` when shown).
-        status: ``ipywidgets.HTML`` status line (errors in red).
+        controls: dict name → widget, one per name in
+            :data:`labkit_widgets.explorer_controls.NAMES`.
+        values: the controls' values (``"auto"`` = the field's ``None``).
+        figures: dict name → ``go.FigureWidget``: ``memory``, ``mfu``, ``comm``,
+            ``bubble`` and (with ``timeline``) ``timeline``.
+        status: the status line (``ipywidgets.HTML``; errors in red).
+        unavailable: the note listing values validate refuses now, with its reasons.
         history: one dict per successful run, oldest first
-            (:func:`labkit_widgets.explorer_figures.summarize`).
-        last_result: the latest ``RunResult``; ``last_error`` the latest exception or None.
-        last_latency_s: seconds from the change to the figures being updated.
+            (:func:`~labkit_widgets.explorer_figures.summarize` plus ``run``,
+            ``latency_s``, ``config``).
+        last_result: the latest ``RunResult``; ``last_metrics`` the per-rank metrics the
+            figures show (memory possibly from an earlier run of the same configuration);
+            ``last_error`` the latest exception or ``None``; ``last_latency_s`` seconds
+            from the change to the figures holding the new values.
     """
 
     def __init__(self, cluster, base_config: Optional[RunConfig] = None, *, job=None,
-                 run_now: bool = True, timeline: bool = True, **kwargs):
+                 run_now: bool = True, timeline: bool = True, max_steps: Optional[int] = 3,
+                 **kwargs):
         super().__init__(**kwargs)
         if job is None:
             from labkit import jobs
 
             job = jobs.train
-        self.cluster, self.job = cluster, job
-        if base_config is None:  # use the whole cluster: the largest dp the batch allows
+        self.cluster, self.job, self.max_steps = cluster, job, max_steps
+        ws = cluster.world_size
+        if base_config is None:  # the whole cluster: the largest dp the batch allows
             base_config = RunConfig()
-            dp = max(d for d in range(1, cluster.world_size + 1)
-                     if cluster.world_size % d == 0 and base_config.global_batch % d == 0)
-            base_config = base_config.replace(dp=dp)
+            base_config = base_config.replace(dp=max(
+                d for d in range(1, ws + 1)
+                if ws % d == 0 and base_config.global_batch % d == 0))
         self.base = base_config
+        self.values = C.initial_values(base_config)
         self.history: list = []
-        self.last_result = self.last_error = self.last_latency_s = None
-        self._quiet = False
-        ws, base = cluster.world_size, self.base
-        opts = dict(continuous_update=False, style={"description_width": "70px"})
-        self.controls = {**F.dp_controls(ws, base, opts),
-                         **P.make_controls(ws, base.global_batch, opts)}
-        self._sync_micro(base.micro)
-        self._sync_replicas()
-        self._refresh_enabled()
+        self.last_result = self.last_metrics = self.last_error = self.last_latency_s = None
+        self._quiet, self._checks, self._memory, self._notes = False, {}, {}, []
+        self.controls = {k.name: C.make_widget(k, self.values[k.name]) for k in C.KNOBS}
+        self._names = {id(w): name for name, w in self.controls.items()}
+        for w in self.controls.values():
+            w.observe(self._on_change, names="value")
         self.status = W.HTML(S.status_html("ready"))
-        self.history_html = W.HTML(S.table_html([], F.HISTORY_COLUMNS))
-        self.figures = {"memory": go.FigureWidget(F.memory_figure()),
-                        "mfu": go.FigureWidget(F.mfu_figure()),
-                        "comm": go.FigureWidget(F.comm_figure()),
-                        "bubble": go.FigureWidget(P.bubble_figure())}
-        self.timeline = TimelineView() if timeline else None
-        if self.timeline is not None:
-            self.figures["timeline"] = self.timeline.fig
-        for c in self.controls.values():
-            c.observe(self._on_change, names="value")
-        c = self.controls
-        self.children = [W.HBox([c["dp"], c["micro_batch"], c["bucket_mb"]]),
-                         W.HBox([c["dp_mode"], c["checkpoint"]]),
-                         W.HBox([c["zero_stage"], c["prefetch"], c["hsdp_replicas"]]),
-                         W.HBox([c["pp"], c["microbatches"], c["schedule"]]), self.status,
-                         W.HBox([self.figures["memory"], self.figures["mfu"]]),
-                         W.HBox([self.figures["comm"], self.figures["bubble"]]),
-                         *([self.timeline] if self.timeline else []),
-                         W.HTML("<b>runs tried</b>"), self.history_html]
+        self.unavailable = W.HTML()
+        self.history_html = W.HTML(F.history_html([]))
+        # plain figures until the first run is drawn: the widgets are created from them
+        # (labkit_widgets._static.live), since plotly's front end drops edits that reach
+        # it before its module has loaded, and a figure widget created empty and filled
+        # at once shows empty axes
+        self.figures = {"memory": F.memory_figure(), "mfu": F.mfu_figure(),
+                        "comm": F.comm_figure(), "bubble": P.bubble_figure()}
+        P.draw_bubble(self.figures["bubble"], None)
+        self.timeline, self._first_trace = None, None
+        self._refresh_controls()
         if run_now:
             self.rerun()
+        self.figures = {name: live(fig) for name, fig in self.figures.items()}
+        if timeline:
+            self.timeline = TimelineView(self._first_trace)
+            self.figures["timeline"] = self.timeline.fig
+        wrap = W.Layout(flex_flow="row wrap", align_items="center", width="100%")
+        rows = [W.HBox([W.HTML(f"<b style='font-size:12px'>{label}</b>",
+                               layout=W.Layout(width="84px"))]
+                       + [self.controls[n] for n in names], layout=wrap)
+                for label, names in C.ROWS]
+        f = self.figures
+        self.children = [*rows, self.unavailable, self.status,
+                         W.HBox([f["memory"], f["mfu"]], layout=wrap),
+                         W.HBox([f["comm"], f["bubble"]], layout=wrap),
+                         *([self.timeline] if self.timeline else []),
+                         W.HTML("<b>runs tried</b> (newest first; hover a row for its "
+                                "configuration)"), self.history_html]
 
-    # -- configuration -------------------------------------------------------------
+    # -- the cluster ----------------------------------------------------------------
+    def _live_cluster(self):
+        """The cluster a run goes to. A ``Cluster`` that a re-run notebook cell replaced
+        names its successor as ``cluster.current``; the explorer follows it (and says so)."""
+        cur = getattr(self.cluster, "current", None)
+        if cur is not None and cur is not self.cluster:
+            self.cluster = cur
+            self._notes.append("following the newer cluster (the one given was replaced)")
+        return self.cluster
+
+    @staticmethod
+    def _is_warm(cluster) -> bool:
+        """Whether a run starts at once: ``cluster.ready()`` when it offers it, else its
+        ``state`` / ``repr`` ("starting", "closed" or "broken" mean ranks must start)."""
+        ready = getattr(cluster, "ready", None)
+        if callable(ready):
+            try:
+                return bool(ready())
+            except Exception:  # noqa: BLE001 - a failed start: run() raises it, in words
+                return False
+        state = getattr(cluster, "state", None)
+        text = state if isinstance(state, str) else repr(cluster)
+        return not any(w in text for w in ("starting", "closed", "broken"))
+
+    # -- configuration ---------------------------------------------------------------
+    def _compose(self, base: RunConfig, values: dict) -> tuple:
+        cfg, notes = C.compose(base, values)
+        if self.max_steps is not None and cfg.steps > self.max_steps:
+            cfg = cfg.replace(steps=self.max_steps)
+        return cfg, notes
+
     def config(self, **overrides) -> RunConfig:
-        """The ``RunConfig`` the controls describe (``overrides`` win); not validated."""
-        return self._plan(self.base, overrides)[2]
+        """The ``RunConfig`` the controls describe (``overrides``: control names or any
+        ``RunConfig`` field, as field values); not validated. A re-run trains it (the
+        memory-tracked step skipped when this configuration was measured before)."""
+        ctrl = {k: C.to_control(k, overrides.pop(k)) for k in list(overrides) if k in C.NAMES}
+        base = self.base.replace(**overrides) if overrides else self.base
+        return self._compose(base, {**self.values, **ctrl})[0]
 
-    def job_config(self, **overrides) -> tuple:
-        """``(job, config)`` the controls describe (``overrides`` win), not validated:
-        ``(self.job, RunConfig)`` at ZeRO stage 0 without HSDP, ``(pipeline_train_mfu,
-        PipelineConfig)`` with ``pp > 1``, else ``(zero_train, ZeroConfig)``."""
-        job, cfg, _ = self._plan(self.base, overrides)
-        return job, cfg
+    def set(self, **changes):
+        """Change controls (names in :attr:`controls`, as field values: ``micro_batch=None``
+        is "auto") and any other ``RunConfig`` field (``global_batch=``, ``steps=`` … go into
+        the base config), then re-run once: the path a released control takes. A
+        configuration ``validate`` refuses is reported in the status line with its reason;
+        nothing changes and nothing raises. Returns the ``RunResult`` or ``None``.
 
-    def _plan(self, base: RunConfig, overrides: dict) -> tuple:
-        vals = {k: c.value for k, c in self.controls.items()}
-        vals.update(overrides)
-        z = {k: vals.pop(k) for k in ZERO_CONTROLS}
-        pp = {k: vals.pop(k) for k in P.PP_CONTROLS}
-        run = base.replace(**vals)
-        if pp["pp"] > 1:
-            return (*P.plan(run, **pp, zero=z), run)
-        if z["zero_stage"] == 0 and z["hsdp_replicas"] == 1:
-            return self.job, run, run
-        from labkit.parallel.zero_config import ZeroConfig
-        from labkit.parallel.zero_jobs import zero_train
-
-        # the ZeRO job applies no recompute policy: count FLOPs without one
-        return zero_train, ZeroConfig(run=run.replace(checkpoint="none"), **z), run
-
-    def _micro_options(self, dp: int) -> list:
-        gb = self.base.global_batch
-        return S.divisors(gb // dp) if dp and gb % dp == 0 and gb >= dp else [1]
-
-    def _sync_micro(self, want: Optional[int] = None) -> None:
-        """Recompute micro-batch options for the current dp, keeping the value valid."""
-        slider = self.controls["micro_batch"]
-        want = slider.value if want is None else want
-        opts = self._micro_options(self.controls["dp"].value)
-        self._quietly(slider, opts, max([o for o in opts if o <= want] or [opts[0]]))
-
-    def _sync_replicas(self, want: Optional[int] = None) -> None:
-        """HSDP options for the current dp: ``M`` divides dp, labelled ``M × K`` (replica
-        groups × shards); keeps the value if it still divides dp, else 1 (off)."""
-        dd, dp = self.controls["hsdp_replicas"], self.controls["dp"].value
-        want = dd.value if want is None else want
-        opts = [("1 (off)", 1)] + [(f"{m} × {dp // m}", m) for m in S.divisors(dp)[1:]]
-        self._quietly(dd, opts, want if dp % want == 0 else 1)
-
-    def _quietly(self, widget, options, value) -> None:
-        quiet, self._quiet = self._quiet, True
-        try:
-            widget.options, widget.value = options, value
-        finally:
-            self._quiet = quiet
-
-    def _refresh_enabled(self) -> None:
-        """Prefetch at stage 3 only; DP-only knobs off under ZeRO; DP/ZeRO off if pp > 1."""
-        c = self.controls
-        zero = c["zero_stage"].value > 0 or c["hsdp_replicas"].value > 1
-        pipe = c["pp"].value > 1
-        c["prefetch"].disabled = c["zero_stage"].value != 3 or pipe
-        for k in _DP_ONLY + ("dp", "micro_batch", "zero_stage", "hsdp_replicas"):
-            c[k].disabled = (zero and k in _DP_ONLY) or pipe
-        c["microbatches"].disabled = c["schedule"].disabled = not pipe
-
-    def set(self, **changes) -> Optional[object]:
-        """Change controls (see :attr:`controls`) and any other ``RunConfig`` field
-        (``global_batch=``, ``steps=`` … go into the base config), then re-run once — the
-        path a control change takes. An invalid value or combination (e.g. ``hsdp_replicas``
-        not dividing dp; ``pp > 1`` with dp > 1 or ZeRO: no N-D composition yet) is reported
-        in the status line (nothing changes, nothing raises). Returns the ``RunResult``."""
-        ctrl = {k: changes.pop(k) for k in list(changes) if k in CONTROLS}
+        Raises:
+            TypeError: an unknown name (a typo is a programming error, not a configuration).
+        """
         t0 = time.perf_counter()
+        ctrl = {k: C.to_control(k, changes.pop(k)) for k in list(changes) if k in C.NAMES}
         try:
             base = self.base.replace(**changes) if changes else self.base
-            vals = {**{k: c.value for k, c in self.controls.items()}, **ctrl}
-            P.compose(vals, ctrl)  # pp > 1: dp 1, ZeRO off; asking for both is an error
-            if "hsdp_replicas" not in ctrl and vals["dp"] % vals["hsdp_replicas"]:
-                vals["hsdp_replicas"] = 1  # as the dp slider does
-            cand = base.replace(**{k: vals[k] for k in RUN_CONTROLS})
-            self._check(ctrl, cand, self._plan(base, vals)[1])
         except ValueError as exc:
             return self._fail(exc, t0)
-        self._quiet = True
-        try:
-            self.base = base
-            bucket = self.controls["bucket_mb"]
-            if "bucket_mb" in ctrl and float(ctrl["bucket_mb"]) not in bucket.options:
-                bucket.options = sorted(set(bucket.options) | {float(ctrl["bucket_mb"])})
-            for k in ("dp", "bucket_mb", "dp_mode", "checkpoint", "zero_stage", "prefetch",
-                      "pp", "schedule"):
-                self.controls[k].value = float(vals[k]) if k == "bucket_mb" else vals[k]
-            self._sync_micro(ctrl.get("micro_batch"))
-            self._sync_replicas(vals["hsdp_replicas"])
-            ms = P.microbatch_options(base.global_batch)
-            self._quietly(self.controls["microbatches"], ms,
-                          max([m for m in ms if m <= vals["microbatches"]] or [1]))
-        finally:
-            self._quiet = False
-        return self.rerun(_t0=t0)
+        return self._change(base, {**self.values, **ctrl}, t0)
 
-    def _check(self, ctrl: dict, cand: RunConfig, job_cfg) -> None:
-        """Raise ValueError for a control value the widgets cannot take; labkit's own
-        message (``RunConfig`` / ``ZeroConfig.validate``, with the numbers) first."""
-        ws = self.cluster.world_size
-        if hasattr(job_cfg, "schedule"):
-            job_cfg.validate(ws)  # the pipeline's own message, with the numbers
-        for k, v in ctrl.items():
-            if k == "microbatches":
-                ok = v in P.microbatch_options(cand.global_batch)
-            elif k in ZERO_CONTROLS:
-                job_cfg.validate(ws)  # stage 0-3, M divides dp, stage 0 without HSDP
-                ok = isinstance(v, bool) if k == "prefetch" else True
-            elif k == "micro_batch":
-                ok = v in self._micro_options(cand.parallel.dp)
-            elif k == "bucket_mb":
-                ok = isinstance(v, (int, float)) and v > 0
-            else:
-                ok = v in self.controls[k].options
-            if not ok:
-                cand.validate(ws)
-                raise ValueError(f"{k}={v!r} is not one of {list(self.controls[k].options)}")
+    def _change(self, base: RunConfig, values: dict, t0: float):
+        try:
+            why = C.check(self._compose(base, values)[0], self.cluster.world_size, self._checks)
+        except (TypeError, ValueError) as exc:  # e.g. dp="2": the field's own message
+            why = str(exc)
+        if why is not None:
+            self._sync_values()  # put a refused widget value back
+            return self._fail(ValueError(why), t0)
+        self.base, self.values = base, values
+        self._sync_values()
+        return self.rerun(_t0=t0)
 
     def _on_change(self, change) -> None:
         if self._quiet:
             return
         t0 = time.perf_counter()
-        owner = change["owner"]
-        c = self.controls
-        if owner is c["pp"] and owner.value > 1:  # no N-D composition yet: dp and ZeRO off
-            for k, off in P.OFF.items():
-                self._quietly(c[k], c[k].options, off)
-        if owner in (c["dp"], c["pp"]):
-            self._sync_micro()
-            self._sync_replicas()
-        if owner is c["prefetch"] and c["zero_stage"].value != 3:
-            return  # only stage 3 prefetches: nothing to re-run
-        if owner in (c["microbatches"], c["schedule"]) and c["pp"].value == 1:
-            return  # the pipeline knobs wait for pp > 1
-        self.rerun(_t0=t0)
+        name = self._names[id(change["owner"])]
+        self._change(self.base, {**self.values, name: change["new"]}, t0)
 
-    # -- running -------------------------------------------------------------------
+    # -- controls --------------------------------------------------------------------
+    def _sync_values(self) -> None:
+        """Show :attr:`values` on the widgets (quietly; options follow after the run)."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            for name, w in self.controls.items():
+                v = self.values[name]
+                if w.value != v:
+                    if not isinstance(w, W.Checkbox) and v not in [o[1] for o in w.options]:
+                        w.options = list(w.options) + C.pairs([v])
+                    w.value = v
+        finally:
+            self._quiet = quiet
+
+    def _refresh_controls(self, busy: bool = False) -> None:
+        """Offer each control the values validate accepts now; grey knobs without effect;
+        list the refused values with their reasons (:attr:`unavailable`)."""
+        ws = self.cluster.world_size
+        avail = C.availability(self.base, self.values, ws, self._checks)
+        quiet, self._quiet = self._quiet, True
+        try:
+            for name, w in self.controls.items():
+                a, v = avail[name], self.values[name]
+                if not isinstance(w, W.Checkbox):
+                    pairs = C.pairs(a["offer"])
+                    if tuple(w.options) != tuple(pairs):
+                        w.options = pairs
+                if w.value != v:
+                    w.value = v
+                w.disabled = busy or not a["applies"] or len(a["offer"]) < 2
+        finally:
+            self._quiet = quiet
+        self.unavailable.value = C.unavailable_html(
+            avail, self._compose(self.base, self.values)[0], ws)
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy:
+            for w in self.controls.values():
+                w.disabled = True
+        else:
+            self._refresh_controls()
+
+    # -- running ---------------------------------------------------------------------
     def rerun(self, _t0: Optional[float] = None):
-        """Run the current configuration on the cluster and redraw; returns the
-        ``RunResult``, or None when it failed (the error is in the status line)."""
+        """Run the current configuration on the cluster and redraw every figure; returns
+        the ``RunResult``, or ``None`` when it failed (the error is in the status line)."""
         t0 = time.perf_counter() if _t0 is None else _t0
+        cluster = self._live_cluster()
         self._set_busy(True)
         try:
-            job, cfg = self.job_config()
-            self.status.value = S.status_html(f"running {F.describe(cfg)} …", "busy")
-            cfg.validate(self.cluster.world_size)
-            result = self.cluster.run(job, cfg)
-            row = self._show(result)
+            cfg, notes = self._compose(self.base, self.values)
+            why = C.check(cfg, cluster.world_size, self._checks)
+            if why is not None:
+                raise ValueError(why)
+            key = cfg.replace(measure_memory=True)
+            known = self._memory.get(key) if cfg.measure_memory else None
+            warm = self._is_warm(cluster)
+            self.status.value = S.status_html(
+                STARTING if not warm else f"running {F.layout_string(cfg)} …", "busy")
+            # a configuration measured before: no memory-tracked step, so a warm-up and a
+            # timed step suffice
+            lean = cfg.replace(measure_memory=False, steps=min(cfg.steps, 2)) if known else cfg
+            result = cluster.run(self.job, lean)
+            self._show(result, key, known)
+            self.last_latency_s = self.history[-1]["latency_s"] = time.perf_counter() - t0
         except KeyboardInterrupt:
             self.status.value = S.status_html("interrupted", "error")
             raise
@@ -280,57 +283,68 @@ class Explorer(W.VBox):
             return self._fail(exc, t0)
         finally:
             self._set_busy(False)
-        self.last_latency_s = row["latency_s"] = time.perf_counter() - t0
-        self.history_html.value = S.table_html(self.history, F.HISTORY_COLUMNS)
+        self.history_html.value = F.history_html(self.history)
+        notes += ([] if warm else ["the ranks were started first"]) + self._notes
+        if known:
+            notes.append(f"memory from run #{known[0]} (same configuration)")
+        self._notes = []
         self.status.value = S.status_html(
-            f"{F.describe(cfg)}: re-run took {result.wall_s:.2f} s on the cluster, figures "
-            f"updated {self.last_latency_s:.2f} s after the change", "ok")
+            f"{F.layout_string(cfg)}: ran {result.wall_s:.2f} s on the cluster, figures "
+            f"updated {self.last_latency_s:.2f} s after the change"
+            + "".join(f"; {n}" for n in notes), "ok")
         return result
 
     def _fail(self, exc: BaseException, t0: float) -> None:
         self.last_error = exc
         self.last_latency_s = time.perf_counter() - t0
         label = "invalid configuration" if isinstance(exc, ValueError) else type(exc).__name__
-        self.status.value = S.status_html(f"{label}: {exc}", "error")
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        shown = f" (the figures show run #{len(self.history)})" if self.history else ""
+        self.status.value = S.status_html(f"{label}: {text}{shown}", "error")
         return None
 
-    def _set_busy(self, busy: bool) -> None:
-        for c in self.controls.values():
-            c.disabled = busy
-        if not busy:
-            self._refresh_enabled()
-
-    def _show(self, result) -> dict:
+    def _show(self, result, key, known) -> None:
         """Redraw every figure from ``result`` in one batch; append the history row."""
-        ms, pipe = result.metrics, P.report(result)  # pipe: None unless a pipeline run
-        row = {"run": len(self.history) + 1,
-               **(F.summarize(result) if pipe is None else P.summarize(result, pipe))}
+        metrics = list(result.metrics)
+        run = len(self.history) + 1
+        if known:
+            metrics = [{**m, "memory": mem} for m, mem in zip(metrics, known[1])]
+        elif result.config.measure_memory and all(m.get("memory") for m in metrics):
+            self._memory[key] = (run, [m["memory"] for m in metrics])
+        try:
+            pipe = P.report(result)
+        except ValueError as exc:  # a trace the report cannot read: say so, draw the rest
+            pipe = None
+            self._notes.append(f"bubble not read: {exc}")
+        row = {"run": run, **F.summarize(result, metrics, pipe),
+               "config": F.describe(result.config)}
         prev = self.history[-1]["mfu_pct"] if self.history else None
         with contextlib.ExitStack() as stack:
             for fig in self.figures.values():
                 stack.enter_context(fig.batch_update())
+            F.draw_memory(self.figures["memory"], metrics, known[0] if known else None)
             F.draw_mfu(self.figures["mfu"], row, prev, P.mfu_note(pipe))
-            if pipe is None:
-                F.draw_memory(self.figures["memory"], ms)
-                F.draw_comm(self.figures["comm"], ms, result.config)
-                P.draw_bubble(self.figures["bubble"], None)
-            else:
-                P.draw(self.figures, result, pipe)
+            F.draw_comm(self.figures["comm"], metrics, result.config)
+            P.draw_bubble(self.figures["bubble"], pipe)
+            steady = F.steady_trace(result.trace, skip_first=True)  # the timed steps
             if self.timeline is not None:
-                self.timeline.update(result)
-        self.last_result, self.last_error = result, None
+                self.timeline.update(steady)
+            else:  # the first run, drawn before the widgets exist
+                self._first_trace = steady
+        self.last_result, self.last_metrics, self.last_error = result, metrics, None
         self.history.append(row)
-        return row
 
-    # -- static rendering ----------------------------------------------------------
+    # -- static rendering ------------------------------------------------------------
     def figure(self, name: str = "memory") -> go.Figure:
         """A plain ``go.Figure`` snapshot of ``figures[name]``."""
         return go.Figure(self.figures[name])
 
     def static(self) -> None:
-        """Display every figure and the history as static output (nbval, saved notebooks)."""
+        """Display the status, every figure and the history as static output (nbval,
+        saved notebooks)."""
         from IPython.display import HTML, display
 
+        display(HTML(self.status.value))
         for name in self.figures:
             display(self.figure(name))
         display(HTML(self.history_html.value))

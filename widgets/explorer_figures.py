@@ -1,124 +1,192 @@
-"""Controls, figures and history rows of the :class:`~labkit_widgets.explorer.Explorer`.
+"""Figures and history rows of the :class:`~labkit_widgets.explorer.Explorer`.
 
 Pure builders and painters: ``*_figure()`` returns an empty ``go.Figure`` with the traces
-the painter fills; ``draw_*(fig, ...)`` swaps their data in place (call it inside the
-widget's ``batch_update()``). They read the per-rank ``metrics`` dicts of
-:func:`labkit.train.run` or :func:`labkit.parallel.zero_jobs.zero_train` (bytes, seconds)
-and draw MiB and milliseconds.
+its painter fills; ``draw_*(fig, ...)`` swaps their data in place (call it inside the
+widget's ``batch_update()``). They read the per-rank ``metrics`` of
+:func:`labkit.train.run` (bytes, seconds) and draw MiB and milliseconds.
 
-* memory: peak bytes per rank by category, measured beside predicted (hatched), stacked;
-  for ZeRO-3 the predicted "other" is the working set of gathered units.
-* MFU: a gauge with the lecture's bars (30 % good, 40 % excellent) and the step time.
-* communication: bytes per collective per rank per step (all-reduce for DP; reduce-scatter,
-  all-gather and HSDP's all-reduce for ZeRO), measured beside the formula (hatched).
+* memory per rank by category, three bars a rank: **at the peak** (every category at the
+  moment of the highest total: after the forward pass, before any gradient exists), the
+  **model state** measured (parameters, gradients, optimizer state each at its largest in
+  the step) and the model state **predicted** by :func:`labkit.plan.model_state_bytes`
+  (hatched);
+* MFU on a gauge with the lecture's bars (30 % good, 40 % excellent), HFU and the step time;
+* bytes per rank per step by mesh axis and collective, measured (labkit.comm's trace)
+  beside the formula (hatched); "no communication at dp=1" rather than empty axes.
 
-Pipeline runs (``pp > 1``) are painted by :mod:`labkit_widgets.explorer_pipeline`; the
-history table has their pp, schedule, microbatches and bubble (measured / simulated).
+The pipeline bubble is :mod:`labkit_widgets.explorer_pipeline`'s.
 """
 from __future__ import annotations
 
+import html
 from typing import Optional
 
-import ipywidgets as W
 import plotly.graph_objects as go
 
 from . import _style as S
 
-__all__ = ["dp_controls", "HISTORY_COLUMNS", "summarize", "describe", "memory_figure",
-           "draw_memory", "mfu_figure",
-           "draw_mfu", "comm_figure", "draw_comm", "COMM_OPS"]
+__all__ = ["layout_string", "knobs_string", "describe", "HISTORY_COLUMNS", "summarize",
+           "history_html", "memory_figure", "draw_memory", "mfu_figure", "draw_mfu",
+           "comm_figure", "draw_comm", "empty_note", "steady_trace"]
 
-#: collectives in the order the communication figure lists them
-COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+#: the memory figure's three bars per rank: at the peak, model state measured, predicted
+MEMORY_KINDS = ("peak", "state", "pred.")
+#: figure widths (px): two figures a row fit the 848 px output of a 1280 px JupyterLab
+#: window with the file browser open
+WIDTHS = {"memory": 500, "mfu": 320, "comm": 420, "bubble": 400}
+#: collective names on the communication figure's axis (the hover gives the full name)
+SHORT_OPS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG",
+             "all_to_all": "A2A", "broadcast": "bcast", "send": "send"}
+_STATE = ("parameters", "gradients", "optimizer")
 
 
-def _pct(v) -> str:
-    return S.fmt(v, ".1f")
+# --------------------------------------------------------------------------- words
+def layout_string(cfg) -> str:
+    """The layout in a few characters: ``dp2·pp2·Z3·1f1b M4`` (degrees above 1 — dp always
+    —, ZeRO stage and HSDP replicas, the schedule with its microbatches per flush and, when
+    above one, virtual stages)."""
+    p = cfg.parallel
+    parts = [f"dp{p.dp}"] + [f"{a}{getattr(p, a)}" for a in ("pp", "tp", "cp", "ep")
+                             if getattr(p, a) > 1]
+    if cfg.zero_stage:
+        parts.append(f"Z{cfg.zero_stage}")
+    if cfg.zero_stage and cfg.hsdp_replicas > 1:
+        parts.append(f"HSDP{cfg.hsdp_replicas}")
+    out = "·".join(parts)
+    if p.pp > 1:
+        out += f"·{cfg.schedule} M{cfg.flush_microbatches}"
+        if cfg.stages_per_rank > 1:
+            out += f" V{cfg.stages_per_rank}"
+    return out
 
 
+def knobs_string(cfg) -> str:
+    """The other knobs that differ from their defaults, briefly (``"µb2 full bf16"``)."""
+    out = []
+    if cfg.accum_steps > 1 and cfg.parallel.pp == 1:
+        out.append(f"µb{cfg.micro}")
+    if cfg.zero_stage == 3 and not cfg.prefetch:
+        out.append("no-prefetch")
+    if cfg.zero_stage == 0 and cfg.dp_mode != "ddp":
+        out.append(cfg.dp_mode)
+    if cfg.zero_stage == 0 and cfg.dp_mode == "ddp" and cfg.bucket_mb != 25.0:
+        out.append(f"bucket {cfg.bucket_mb:g}")
+    if cfg.checkpoint != "none":
+        out.append(f"ckpt {cfg.checkpoint}")
+    if cfg.precision != "fp32":
+        out.append(cfg.precision)
+    if cfg.parallel.tp > 1 and cfg.sequence_parallel:
+        out.append("SP")
+    if cfg.parallel.cp > 1:
+        out.append(cfg.cp_method + ("" if cfg.cp_zigzag else " no-zigzag"))
+    return " ".join(out)
+
+
+def describe(cfg) -> str:
+    """The configuration in one line (a history row's tooltip): the model, the degrees and
+    every field that differs from its default."""
+    from .explorer_controls import DEFAULTS
+
+    skip = {"model", "parallel", "timeout_s", "return_state", "return_grads"}
+    fields = [f"{k}={getattr(cfg, k)!r}" for k in cfg.__dataclass_fields__
+              if k not in skip and getattr(cfg, k) != getattr(DEFAULTS, k)]
+    p = cfg.parallel
+    return (f"{cfg.model_config.name} ({cfg.model_config.n_layers} layers), dp={p.dp} "
+            f"tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep} " + " ".join(fields))
+
+
+def _f(spec: str):
+    return lambda v: S.fmt(v, spec)
+
+
+#: (header, key, formatter) — compact enough for a 1280 px window with the file browser open
 HISTORY_COLUMNS = [
-    ("#", "run", str), ("dp", "dp", str), ("micro", "micro_batch", str),
-    ("bucket MiB", "bucket_mb", lambda v: S.fmt(v, "g")), ("mode", "dp_mode", str),
-    ("recompute", "checkpoint", str), ("ZeRO", "zero_stage", str),
-    ("prefetch", "prefetch", lambda v: "–" if v is None else ("on" if v else "off")),
-    ("replicas", "replicas", str), ("AG hidden %", "overlap_pct", _pct), ("pp", "pp", str),
-    ("schedule", "schedule", str), ("M", "microbatches", lambda v: S.fmt(v, "d")),
-    ("bubble % meas", "bubble_pct", _pct), ("bubble % sim", "bubble_sim_pct", _pct),
-    ("step ms", "step_ms", lambda v: S.fmt(v, ".1f")), ("MFU %", "mfu_pct", _pct),
-    ("HFU %", "hfu_pct", _pct),
-    ("peak MiB", "peak_mib", lambda v: S.fmt(v, ".2f")), ("bytes/step", "comm_bytes", S.fmt_bytes),
-    ("loss", "loss", lambda v: S.fmt(v, ".4f")), ("run s", "wall_s", lambda v: S.fmt(v, ".2f")),
-    ("latency s", "latency_s", lambda v: S.fmt(v, ".2f"))]
+    ("#", "run", str), ("layout", "layout", str), ("step ms", "step_ms", _f(".1f")),
+    ("MFU %", "mfu_pct", _f(".1f")), ("peak MiB", "peak_mib", _f(".2f")),
+    ("bytes/step", "comm_bytes", S.fmt_bytes), ("bubble %", "bubble_pct", _f(".1f")),
+    ("loss", "loss", _f(".4f")), ("latency s", "latency_s", _f(".2f"))]
 
 
-def summarize(result) -> dict:
-    """One history row from a ``RunResult`` of the train or the ZeRO job (missing metrics
-    read as ``None``). ZeRO rows carry ``zero_stage``, ``prefetch`` (stage 3 only, else
-    ``None``), ``replicas`` and ``overlap_pct``: the mean over ranks of the all-gather time
-    hidden under compute (stage 3), in percent; DP-only knobs read ``"–"`` there."""
-    ms, cfg = result.metrics, result.config
-    run = getattr(cfg, "run", cfg)
-    stage = getattr(cfg, "zero_stage", None)
-    zero = stage is not None
-    last = [o["losses"][-1] for o in result.outputs if isinstance(o, dict) and o.get("losses")]
-    mfus, hfus = [m.get("mfu") for m in ms], [m.get("hfu") for m in ms]
-    overlap = S.mean((m.get("overlap") or {}).get("total") for m in ms)
-    return {"dp": run.parallel.dp, "micro_batch": run.micro,
-            "bucket_mb": None if zero and stage > 0 else run.bucket_mb,
-            "dp_mode": "–" if zero else run.dp_mode,
-            "checkpoint": getattr(run, "checkpoint", "none"),
-            "zero_stage": stage if zero else 0,
-            "prefetch": cfg.prefetch if zero and stage == 3 else None,
-            "replicas": cfg.hsdp_replicas if zero else 1,
-            "overlap_pct": None if overlap is None else 100 * overlap, "pp": 1,
-            "schedule": "–", "microbatches": None, "bubble_pct": None, "bubble_sim_pct": None,
-            "hfu_pct": None if S.mean(hfus) is None else 100 * S.mean(hfus),
-            "step_ms": max((m.get("step_time_s") or 0.0 for m in ms), default=0.0) * 1e3,
-            "mfu_pct": None if S.mean(mfus) is None else 100 * S.mean(mfus),
-            "peak_mib": S.mib(max(((m.get("memory") or {}).get("peak_total") or 0 for m in ms),
-                                  default=0)),
-            "comm_bytes": max((m.get("comm_bytes_per_step") or 0.0 for m in ms), default=0.0),
-            "loss": S.mean(last), "wall_s": result.wall_s}
+def summarize(result, metrics: list, pipe: Optional[dict] = None) -> dict:
+    """One history row: ``layout``, ``knobs``, ``step_ms`` (the slowest rank), ``mfu_pct`` /
+    ``hfu_pct`` (mean over ranks), ``peak_mib`` (the largest rank's peak), ``comm_bytes``
+    (the most any rank sent in a step), ``bubble_pct`` (with a pipeline), ``loss`` (the
+    global loss of the timed step), ``wall_s``. ``metrics`` are the per-rank dicts the
+    figures show (memory possibly from an earlier run of the same configuration)."""
+    cfg = result.config
+    mean = lambda key: S.mean(m.get(key) for m in metrics)  # noqa: E731
+    pct = lambda v: None if v is None else 100 * v  # noqa: E731
+    peaks = [(m.get("memory") or {}).get("peak_total") for m in metrics]
+    return {"layout": layout_string(cfg), "knobs": knobs_string(cfg),
+            "step_ms": 1e3 * max((m.get("step_time_s") or 0.0 for m in metrics), default=0.0),
+            "mfu_pct": pct(mean("mfu")), "hfu_pct": pct(mean("hfu")),
+            "peak_mib": None if None in peaks or not peaks else S.mib(max(peaks)),
+            "comm_bytes": max((m.get("comm_bytes_per_step") or 0.0 for m in metrics),
+                              default=0.0),
+            "bubble_pct": None if pipe is None else 100 * pipe["summary"]["bubble"],
+            "loss": _timed_loss(result),
+            "wall_s": result.wall_s}
 
 
-# --------------------------------------------------------------------------- controls
-#: the tiny model's parameters are ~0.4 MB, so buckets below 1 MiB are where things happen
-BUCKET_OPTIONS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
-DP_MODES = ("ddp", "naive", "torch")
-#: activation-checkpointing policies offered (``every`` needs a segment size: use ``set``)
-CHECKPOINT_OPTIONS = ("none", "full", "selective")
+def _timed_loss(result) -> Optional[float]:
+    """The global loss of the timed step (the second; the only one of a one-step run): the
+    same step whether or not the run added a memory-tracked step after it."""
+    losses = list(getattr(result, "losses", None) or [])
+    return losses[min(1, len(losses) - 1)] if losses else None
 
 
-def dp_controls(ws: int, base, opts: dict) -> dict:
-    """The data-parallel and ZeRO widgets for a cluster of ``ws`` ranks, starting from the
-    ``RunConfig`` ``base`` (micro-batch and HSDP options are filled in by the explorer)."""
-    dps = S.divisors(ws)
-    buckets = sorted(set(BUCKET_OPTIONS_MB) | {float(base.bucket_mb)})
-    return {
-        "dp": W.SelectionSlider(options=dps, value=base.parallel.dp if base.parallel.dp
-                                in dps else ws, description="dp", **opts),
-        "micro_batch": W.SelectionSlider(options=[1], value=1, description="micro-batch",
-                                         **opts),
-        "bucket_mb": W.SelectionSlider(options=buckets, value=float(base.bucket_mb),
-                                       description="bucket MiB", **opts),
-        "dp_mode": W.ToggleButtons(options=list(DP_MODES), value=base.dp_mode
-                                   if base.dp_mode in DP_MODES else "ddp",
-                                   description="sync", style={"button_width": "60px"}),
-        "checkpoint": W.ToggleButtons(
-            options=sorted(set(CHECKPOINT_OPTIONS) | {base.checkpoint},
-                           key=("none", "full", "every", "selective").index),
-            value=base.checkpoint, description="recompute",
-            tooltips=["store every activation", "recompute each block in backward",
-                      "recompute attention and element-wise ops, keep matmul outputs"],
-            style={"button_width": "72px"}),
-        "zero_stage": W.ToggleButtons(
-            options=[0, 1, 2, 3], value=0, description="ZeRO",
-            tooltips=["plain data parallelism (16Ψ per rank)", "shard optimizer state",
-                      "+ shard gradients", "+ shard parameters (FSDP)"],
-            style={"button_width": "40px"}),
-        "prefetch": W.Checkbox(value=True, description="prefetch (stage 3)", indent=False),
-        "hsdp_replicas": W.Dropdown(options=[("1 (off)", 1)], value=1,
-                                    description="HSDP M", layout=W.Layout(width="190px"))}
+def history_html(rows: list) -> str:
+    """The history table: one row per run, the latest in bold, the knobs beside the
+    layout in grey, the whole configuration as each row's tooltip."""
+    head = "".join(f"<th style='padding:1px 6px;text-align:right'>{html.escape(h)}</th>"
+                   for h, _k, _f in HISTORY_COLUMNS)
+    body = []
+    for i, row in enumerate(rows):
+        bold = "font-weight:bold;" if i == len(rows) - 1 else ""
+        cells = []
+        for _h, key, fmt in HISTORY_COLUMNS:
+            text = html.escape(fmt(row.get(key)))
+            if key == "layout" and row.get("knobs"):
+                text += f" <span style='color:{S.MUTED}'>{html.escape(row['knobs'])}</span>"
+            align = "left" if key == "layout" else "right"
+            cells.append(f"<td style='padding:1px 6px;text-align:{align}'>{text}</td>")
+        body.append(f"<tr style='{bold}' title='{html.escape(row.get('config', ''))}'>"
+                    f"{''.join(cells)}</tr>")
+    if not body:
+        body.append(f"<tr><td colspan='{len(HISTORY_COLUMNS)}' style='color:{S.MUTED}'>"
+                    "no runs yet</td></tr>")
+    return ("<div style='max-width:100%;max-height:16em;overflow:auto'>"
+            "<table class='labkit-history' style='border-collapse:collapse;font-size:12px'>"
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(reversed(body))}</tbody>"
+            "</table></div>")
+
+
+def steady_trace(trace, skip_first: bool = False):
+    """``trace`` without its instrumented steps (events tagged ``args["instrumented"]``,
+    e.g. the memory-tracked step, several times slower) and, with ``skip_first``, without
+    the first step (one-off allocation) and the set-up before it when a later step remains:
+    the steps the step time and the bubble are read from."""
+    from labkit.trace import Trace
+
+    events = [e for e in trace.events if not (e.args or {}).get("instrumented")]
+    steps = sorted({e.step for e in events if e.step >= 0})
+    if skip_first and len(steps) > 1:
+        events = [e for e in events if e.step in steps[1:]]
+    return Trace(events)
+
+
+def empty_note(fig, text: Optional[str]) -> None:
+    """Hide ``fig``'s axes behind one centred sentence (``text``), or show them again."""
+    fig.layout.annotations = [] if text is None else [dict(
+        text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+        font=dict(size=15, color=S.MUTED))]
+    fig.layout.xaxis.visible = fig.layout.yaxis.visible = text is None
+
+
+def _base(width: int, height: int, title: str, **extra) -> dict:
+    return dict(template="plotly_white", width=width, height=height,
+                title=dict(text=title, font_size=13, x=0.01, xanchor="left"),
+                margin=dict(l=52, r=10, t=78, b=40), **extra)
 
 
 # --------------------------------------------------------------------------- memory
@@ -127,30 +195,36 @@ def memory_figure() -> go.Figure:
     bars = [go.Bar(name=c, x=[[], []], y=[], marker_color=S.MEMORY_COLORS[c],
                    hovertemplate=f"{c}: %{{y:.3f}} MiB<br>%{{x}}<extra></extra>")
             for c in S.MEMORY_CATEGORIES]
-    return go.Figure(bars, dict(
-        barmode="stack", template="plotly_white", height=340, width=620,
-        title=dict(text="peak memory per rank — measured vs predicted (hatched)", font_size=14),
-        yaxis_title="MiB", margin=dict(l=60, r=10, t=50, b=60)))
+    return go.Figure(bars, _base(
+        WIDTHS["memory"], 380, "memory per rank, MiB", barmode="stack",
+        legend=dict(orientation="h", y=-0.22, x=0, font_size=11),
+        xaxis=dict(tickfont_size=10)))
 
 
-def draw_memory(fig, metrics: list) -> None:
-    """Per rank a measured (``memory.peak``) and a predicted (``memory_predicted``) stack,
-    MiB. ZeRO-3: the predicted "other" is ``working_set.gathered_units_predicted``."""
-    x0 = [f"rank {m.get('rank', r)}" for r, m in enumerate(metrics) for _ in (0, 1)]
-    x1 = ["measured", "predicted"] * len(metrics)
+def draw_memory(fig, metrics: list, reused_from: Optional[int] = None) -> None:
+    """Per rank: the categories at the peak, the model state measured and predicted (MiB).
+    ``reused_from``: the run whose memory is shown (same configuration), if not this one."""
+    x0 = [f"rank {m.get('rank', r)}" for r, m in enumerate(metrics) for _ in MEMORY_KINDS]
+    x1 = list(MEMORY_KINDS) * len(metrics)
+    measured = all(m.get("memory") for m in metrics)
     for tr, cat in zip(fig.data, S.MEMORY_CATEGORIES):
         ys = []
         for m in metrics:
-            pred = dict(m.get("memory_predicted") or {})
-            mem = m.get("memory") or {}
-            gathered = (mem.get("working_set") or {}).get("gathered_units_predicted")
-            if gathered is not None:
-                pred["other"] = gathered
-            ys += [S.mib(mem.get("peak", {}).get(cat)), S.mib(pred[cat]) if cat in pred else None]
-        tr.update(x=[x0, x1], y=ys, marker_pattern_shape=["", "/"] * len(metrics))
-    stage = metrics[0].get("zero_stage") if metrics else None
-    what = "" if stage is None else f" · ZeRO-{stage}, K={metrics[0].get('shards')}"
-    fig.layout.title.text = f"peak memory per rank — measured vs predicted (hatched){what}"
+            mem, pred = m.get("memory") or {}, m.get("memory_predicted") or {}
+            state = cat in _STATE
+            ys += [S.mib(mem["peak"].get(cat)) if mem else None,
+                   S.mib(mem["model_state"].get(cat)) if mem and state else None,
+                   S.mib(pred.get(cat)) if state else None]
+        tr.update(x=[x0, x1], y=ys, marker_pattern_shape=["", "", "/"] * len(metrics))
+    where = ["peak: every category at the highest total (gradients may not exist yet)",
+             "state: parameters, gradients, optimizer each at its largest · pred.: predicted"]
+    if not measured:
+        where = ["memory not measured in this run (measure_memory=False)",
+                 "pred.: the model state predicted"]
+    elif reused_from is not None:
+        where[1] = (f"measured in run #{reused_from}, the same configuration (this run "
+                    "skipped the memory step)")
+    fig.layout.title.text = "memory per rank, MiB<br><sup>" + "<br>".join(where) + "</sup>"
 
 
 # --------------------------------------------------------------------------- MFU
@@ -158,91 +232,96 @@ def mfu_figure() -> go.Figure:
     """A 0–100 % gauge banded at the lecture's 30 % / 40 %."""
     g, e = 100 * S.MFU_GOOD, 100 * S.MFU_EXCELLENT
     return go.Figure(go.Indicator(
-        mode="gauge+number+delta", value=None, number=dict(suffix=" %", valueformat=".1f"),
+        mode="gauge+number", value=None, number=dict(suffix=" %", valueformat=".1f"),
         delta=dict(valueformat=".1f", suffix=" pts"),
-        gauge=dict(axis=dict(range=[0, 100]), bar=dict(color="#333"),
+        gauge=dict(axis=dict(range=[0, 100], tickfont_size=10), bar=dict(color="#333"),
                    steps=[dict(range=[0, g], color="#F6D5D1"),
                           dict(range=[g, e], color="#FCEFC7"),
                           dict(range=[e, 100], color="#D5EFD8")],
-                   threshold=dict(line=dict(color=S.OK_GREEN, width=3), value=e))),
-        dict(height=340, width=330, margin=dict(l=30, r=30, t=80, b=20),
-             title=dict(text="MFU", font_size=14)))
+                   threshold=dict(line=dict(color=S.OK_GREEN, width=3), value=e)),
+        domain=dict(x=[0, 1], y=[0.08, 0.82])),
+        dict(width=WIDTHS["mfu"], height=380, margin=dict(l=30, r=30, t=88, b=24),
+             title=dict(text="MFU", font_size=13, x=0.02, xanchor="left")))
 
 
 def draw_mfu(fig, row: dict, prev_pct: Optional[float], note: str = "") -> None:
-    """Show ``row["mfu_pct"]`` with the change from ``prev_pct``, the step time and
-    ``note`` (a last title line, e.g. a pipeline's MFU ceiling)."""
-    v = row["mfu_pct"]
-    rating = "n/a" if v is None else ("excellent" if v > 100 * S.MFU_EXCELLENT else
-                                      "good" if v > 100 * S.MFU_GOOD else "low")
-    fig.data[0].update(value=v, delta_reference=prev_pct if prev_pct is not None else v)
-    fig.layout.title.text = (f"MFU ({rating}; >30 % good, >40 % excellent)<br>"
-                             f"step {row['step_ms']:.1f} ms{'<br>' + note if note else ''}")
+    """``row["mfu_pct"]`` on the gauge (with the change from ``prev_pct`` when there is
+    one), HFU and the step time in the title, ``note`` (e.g. a pipeline's ceiling) last."""
+    v, h = row.get("mfu_pct"), row.get("hfu_pct")
+    rating = ("not measured" if v is None else "excellent" if v > 100 * S.MFU_EXCELLENT
+              else "good" if v > 100 * S.MFU_GOOD else "low")
+    ind = fig.data[0]
+    ind.update(value=v, mode="gauge+number" + ("+delta" if prev_pct is not None
+                                                 and v is not None else ""))
+    if prev_pct is not None:
+        ind.delta.reference = prev_pct
+    hfu = "–" if h is None else f"{h:.1f} %"
+    lines = [f"MFU: {rating} (>30 % good, >40 % excellent)",
+             f"HFU {hfu} · step {row.get('step_ms', 0.0):.1f} ms"] + ([note] if note else [])
+    fig.layout.title.text = lines[0] + "<br><sup>" + "<br>".join(lines[1:]) + "</sup>"
 
 
 # --------------------------------------------------------------------------- comm
 def comm_figure() -> go.Figure:
-    """Grouped bars over (rank, collective): ``data[0]`` measured, ``data[1]`` predicted."""
+    """Grouped bars over (rank, axis and op): ``data[0]`` measured, ``data[1]`` the
+    formula (hatched)."""
     return go.Figure([
-        go.Bar(name="measured (labkit.comm traces)", x=[[], []], y=[],
+        go.Bar(name="measured (labkit.comm trace)", x=[[], []], y=[],
                marker_color=S.COMM_COLORS["all_reduce"],
                hovertemplate="%{x}: %{y:.4f} MiB/step measured<extra></extra>"),
-        go.Bar(name="predicted (formula)", x=[[], []], y=[], marker_pattern_shape="/",
+        go.Bar(name="formula", x=[[], []], y=[], marker_pattern=dict(shape="/", fgcolor="#444"),
                marker_color=S.COMM_COLORS["all_reduce"], opacity=0.6,
-               hovertemplate="%{x}: %{y:.4f} MiB/step predicted<extra></extra>")],
-        dict(template="plotly_white", height=300, yaxis_title="MiB per step", barmode="group",
-             title=dict(text="communication per rank per step", font_size=14),
-             margin=dict(l=60, r=10, t=50, b=40), legend=dict(orientation="h", y=-0.25)))
+               hovertemplate="%{x}: %{y:.4f} MiB/step formula<extra></extra>")],
+        _base(WIDTHS["comm"], 350, "bytes per rank per step", barmode="group",
+              yaxis_title="MiB",
+              xaxis=dict(tickfont_size=10), legend=dict(orientation="h", y=-0.25, x=0)))
 
 
-def _comm_rows(m: dict) -> list:
-    """``[(op, measured bytes, predicted bytes or None)]`` of one rank's metrics."""
-    if "comm_bytes_by_op" not in m:  # the DP train job: one gradient all-reduce
-        return [("all_reduce", m.get("comm_bytes_per_step"), m.get("comm_bytes_predicted"))]
-    meas, pred = m.get("comm_bytes_by_op") or {}, m.get("comm_predicted_by_op") or {}
-    ops = [op for op in COMM_OPS if op in meas or op in pred]
-    ops += sorted((set(meas) | set(pred)) - set(ops))
-    return [(op, meas.get(op, 0.0), pred.get(op)) for op in ops]
+def _rows(m: dict) -> list:
+    """``[(axis, op, measured bytes, formula bytes or None)]`` of one rank, axes and ops in
+    a fixed order, ops that moved nothing (a receive counts its bytes on the sender) left out."""
+    meas, pred = m.get("comm_bytes_by_axis") or {}, m.get("comm_predicted_by_axis") or {}
+    out = []
+    for axis in sorted(set(meas) | set(pred)):
+        ops = set(meas.get(axis, {})) | set(pred.get(axis, {}))
+        for op in sorted(ops):
+            got, want = meas.get(axis, {}).get(op, 0.0), pred.get(axis, {}).get(op)
+            if got or want:
+                out.append((axis, op, got, want))
+    return out
 
 
 def draw_comm(fig, metrics: list, cfg) -> None:
-    """Bytes per collective per rank of one steady step, measured beside predicted, MiB."""
+    """Bytes each rank sent in one steady step, per axis and collective, measured beside
+    the formula (MiB); a sentence instead of empty axes when nothing was sent."""
     x0, x1, ym, yp, colors = [], [], [], [], []
     for r, m in enumerate(metrics):
-        for op, meas, pred in _comm_rows(m):
+        for axis, op, got, want in _rows(m):
             x0.append(f"rank {m.get('rank', r)}")
-            x1.append(op)
-            ym.append(S.mib(meas))
-            yp.append(None if pred is None else S.mib(pred))
+            x1.append(f"{axis} {SHORT_OPS.get(op, op)}")
+            ym.append(S.mib(got))
+            yp.append(None if want is None else S.mib(want))
             colors.append(S.COMM_COLORS[S.comm_family(op)])
+    colors = colors or S.COMM_COLORS["all_reduce"]
     fig.data[0].update(x=[x0, x1], y=ym, marker_color=colors)
     fig.data[1].update(x=[x0, x1], y=yp, marker_color=colors)
-    m0 = metrics[0] if metrics else {}
-    run = getattr(cfg, "run", cfg)
-    params = f"Ψ = {S.fmt(m0.get('n_params'), ',')} params"
-    if "comm_bytes_by_op" in m0:
-        stage, k = m0.get("zero_stage"), m0.get("shards")
-        factor = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}.get(stage, "?")
-        fig.layout.title.text = (
-            f"bytes per collective per rank per step — ZeRO-{stage}, K={k} × M="
-            f"{m0.get('replicas')}, {params}; lecture {factor}·(K−1)/K·bytes = "
-            f"{S.fmt_bytes(m0.get('comm_bytes_predicted'))}")
+    p = cfg.parallel
+    if not x0:
+        degrees = [f"{a}={getattr(p, a)}" for a in ("dp", "pp", "tp", "cp", "ep")
+                   if getattr(p, a) > 1]
+        empty_note(fig, "no communication at dp=1" if not degrees else
+                   "no communication recorded in the step")
     else:
-        fig.layout.title.text = (f"all-reduce per rank per step — dp={run.parallel.dp}, "
-                                 f"{run.dp_mode}, {params}; 2(N−1)/N·Ψ·bytes")
-
-
-def describe(cfg) -> str:
-    """One line naming a ``RunConfig``, ``ZeroConfig`` or ``PipelineConfig`` (the status
-    line's words)."""
-    if hasattr(cfg, "schedule"):
-        return (f"pp={cfg.pp} {cfg.schedule} M={cfg.microbatches} V={cfg.stages_per_rank} "
-                f"({cfg.model_config.n_layers} layers; dp/ZeRO off: no N-D composition yet)")
-    run = getattr(cfg, "run", cfg)
-    if run is not cfg:  # a ZeroConfig
-        pf = f" prefetch={'on' if cfg.prefetch else 'off'}" if cfg.zero_stage == 3 else ""
-        hsdp = f" HSDP {cfg.hsdp_replicas}×{cfg.shards}" if cfg.hsdp_replicas > 1 else ""
-        return f"dp={run.parallel.dp} micro={run.micro} ZeRO-{cfg.zero_stage}{pf}{hsdp}"
-    ckpt = "" if cfg.checkpoint == "none" else f" recompute={cfg.checkpoint}"
-    return (f"dp={cfg.parallel.dp} micro={cfg.micro} bucket={cfg.bucket_mb:g} MiB "
-            f"mode={cfg.dp_mode}{ckpt}")
+        empty_note(fig, None)
+    m0 = metrics[0] if metrics else {}
+    rules = [f"Ψ = {S.fmt(m0.get('n_params'), ',')} parameters"]
+    if p.dp > 1:
+        rules[0] += f"; dp: {'3Ψ' if cfg.zero_stage == 3 else '2Ψ'}·(N−1)/N·bytes"
+    if p.pp > 1:
+        rules.append("pp: one (b, S, H) activation per send")
+    ops = sorted({op for m in metrics for _a, op, _g, _w in _rows(m) if op in SHORT_OPS
+                  and SHORT_OPS[op] != op})
+    if ops:
+        rules.append(" · ".join(f"{SHORT_OPS[o]} {o.replace('_', '-')}" for o in ops))
+    fig.layout.title.text = ("bytes per rank per step: measured, formula hatched"
+                             "<br><sup>" + "<br>".join(rules) + "</sup>")

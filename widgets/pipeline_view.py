@@ -26,7 +26,7 @@ from labkit.parallel.pipeline.schedules import SCHEDULES
 from labkit.parallel.pipeline.simulate import Span, simulate
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["PipelineView", "gantt_data", "measured_spans"]
 
@@ -147,7 +147,7 @@ class PipelineView(StaticFigure, W.VBox):
                                 style={"description_width": "60px"})
         W.link((self.play, "value"), (self.time, "value"))
         self.status = W.HTML(S.status_html("ready"))
-        self.fig = go.FigureWidget(_base_figure())
+        self.fig = live(_base_figure())
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.time.observe(lambda ch: self._draw(), names="value")

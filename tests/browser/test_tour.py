@@ -1,12 +1,16 @@
-"""The tour notebook in a real browser: run all, move the explorer's dp slider, and check
-that the communication plot re-rendered with the new run's values."""
+"""The tour notebook in a real browser at 1280 px: run all, then drag the explorer's dp and
+pp sliders (keyboard on the slider handle: one released step per key) and check that the
+figures re-rendered with the new run's values; no output is wider than its cell and no
+control label is cut."""
 from __future__ import annotations
 
 import pytest
 
 from .helpers import move_slider, open_notebook, plot_data, run_all, slider_value, wait_plot_change
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
+
+WIDTH = 1280
 
 _JS_PLOT_INDEX = """(needle) => {
   const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
@@ -14,29 +18,103 @@ _JS_PLOT_INDEX = """(needle) => {
                          String(gd.layout.title.text || '').includes(needle));
 }"""
 
+_JS_TRACE_PLOT = """(name) => Array.from(document.querySelectorAll('.js-plotly-plot'))
+  .findIndex(gd => (gd.data || []).some(t => t.name === name))"""
+
+_JS_ANNOTATIONS = """(i) => {
+  const gd = document.querySelectorAll('.js-plotly-plot')[i];
+  return ((gd.layout && gd.layout.annotations) || []).map(a => a.text);
+}"""
+
+# Every output no wider than its cell: nothing reaches past the output area's right edge,
+# and no scroll box inside it hides content sideways. Every visible control label, slider
+# readout and toggle button shows its whole text (ipywidgets cuts them with an ellipsis).
+_JS_LAYOUT = """() => {
+  const bad = [];
+  const clipping = v => ['auto', 'scroll', 'hidden'].includes(v);
+  for (const out of document.querySelectorAll('.jp-OutputArea-output')) {
+    const right = out.getBoundingClientRect().right;
+    for (const el of [out, ...out.querySelectorAll('*')]) {
+      const r = el.getBoundingClientRect();
+      if (!r.width || !r.height) continue;
+      if (r.right > right + 1) {
+        bad.push(`wider than its cell: <${el.tagName.toLowerCase()} class="${el.className}">`
+                 + ` ends at ${Math.round(r.right)} px, the output at ${Math.round(right)} px`);
+        break;
+      }
+      const cs = getComputedStyle(el);
+      if (el !== out && clipping(cs.overflowX) && el.scrollWidth > el.clientWidth + 1
+          && !el.closest('.js-plotly-plot')) {
+        bad.push(`scrolls sideways: <${el.tagName.toLowerCase()} class="${el.className}">`
+                 + ` ${el.scrollWidth} px in ${el.clientWidth} px`);
+      }
+    }
+  }
+  for (const el of document.querySelectorAll(
+      '.jp-OutputArea-output .widget-label, .jp-OutputArea-output .widget-readout,'
+      + ' .jp-OutputArea-output .widget-toggle-button')) {
+    if (!el.getBoundingClientRect().width) continue;
+    if (el.scrollWidth > el.clientWidth + 1)
+      bad.push(`cut label: "${el.textContent.trim()}" needs ${el.scrollWidth} px,`
+               + ` has ${el.clientWidth} px`);
+  }
+  return bad;
+}"""
+
 
 def _plot_index(page, needle: str) -> int:
-    page.wait_for_function(f"(n) => ({_JS_PLOT_INDEX})(n) >= 0", arg=needle, timeout=120_000,
+    page.wait_for_function(f"(n) => ({_JS_PLOT_INDEX})(n) >= 0", arg=needle, timeout=240_000,
                            polling=250)
     return page.evaluate(_JS_PLOT_INDEX, needle)
 
 
-def test_tour_dp_slider_reruns_and_redraws(jupyter_server, browser_page, artifacts_dir):
+def _explorer_shot(page, path) -> None:
+    """A screenshot of the explorer's output (controls, figures, history) at the page width."""
+    out = page.locator(".jp-OutputArea-output", has=page.locator(".labkit-unavailable")).first
+    out.scroll_into_view_if_needed()
+    box = out.bounding_box()
+    page.set_viewport_size({"width": WIDTH, "height": int(box["height"]) + 400})
+    out.screenshot(path=str(path))
+    page.set_viewport_size({"width": WIDTH, "height": 900})
+
+
+def test_tour_explorer_dp_and_pp_in_the_browser(jupyter_server, browser_page, artifacts_dir):
     page = browser_page
-    open_notebook(page, jupyter_server, "00_tour.ipynb", timeout=120)
-    run_all(page, timeout=300)
-    assert slider_value(page, "dp") == "4"
-    comm = _plot_index(page, "all-reduce per rank per step")
+    page.set_viewport_size({"width": WIDTH, "height": 900})
+    open_notebook(page, jupyter_server, "00_tour.ipynb", timeout=180)
+    run_all(page, timeout=500)
+    assert slider_value(page, "dp") == "4" and slider_value(page, "pp") == "1"
+    note = page.locator(".labkit-unavailable").first.inner_text()
+    assert "pp=2" in note and "8 ranks" in note and "world_size=4" in note  # validate's words
+    comm = _plot_index(page, "bytes per rank per step")
+    bubble = _plot_index(page, "pipeline bubble")
+    assert page.evaluate(_JS_ANNOTATIONS, bubble) == ["no pipeline at pp=1"]
     before = plot_data(page, comm)
-    assert [round(v, 6) for v in before[0]["y"]] and len(before[0]["x"][0]) == 4  # 4 ranks
+    assert len(before[0]["x"][0]) == 4  # one all-reduce bar per rank
+    assert page.evaluate(_JS_LAYOUT) == []
+    _explorer_shot(page, artifacts_dir / "tour_explorer_dp4_1280.png")
+
+    # dp 4 -> 2: two ranks, each all-reducing the same bytes as the formula
     assert move_slider(page, "dp", -1) == "2"
-    after = wait_plot_change(page, before, comm, timeout=120,
+    after = wait_plot_change(page, before, comm, timeout=240,
                              until=lambda d: d and len(d[0]["x"][0]) == 2)
-    measured, formula = after[0]["y"], after[1]["y"]
-    assert after[0]["x"] == [["rank 0", "rank 1"], ["all_reduce", "all_reduce"]]
-    assert measured != before[0]["y"][:2]           # new values, not a relabel
-    assert measured == pytest.approx(formula)        # 2(N-1)/N·|θ|·4 for N=2
-    title = page.evaluate("(i) => document.querySelectorAll('.js-plotly-plot')[i]"
-                          ".layout.title.text", comm)
-    assert "dp=2" in title
-    page.screenshot(path=str(artifacts_dir / "tour_explorer.png"), full_page=True)
+    assert after[0]["x"] == [["rank 0", "rank 1"], ["dp AR", "dp AR"]]
+    assert after[0]["y"] != before[0]["y"][:2]  # new values, not a relabel
+    assert after[0]["y"] == pytest.approx(after[1]["y"])  # 2(N-1)/N·|θ|·4 B for N=2
+
+    # dp 2 -> 1: nothing to communicate, and the figure says so
+    assert move_slider(page, "dp", -1) == "1"
+    page.wait_for_function(f"(i) => ({_JS_ANNOTATIONS})(i).includes('no communication at dp=1')",
+                           arg=comm, timeout=240_000, polling=250)
+
+    # pp 1 -> 2: the bubble per pipeline rank, measured beside simulated
+    timeline = page.evaluate(_JS_TRACE_PLOT, "forward")
+    assert move_slider(page, "pp", +1) == "2"
+    data = wait_plot_change(page, plot_data(page, bubble), bubble, timeout=240,
+                            until=lambda d: d and d[0]["x"] == ["all ranks", "rank 0", "rank 1"])
+    assert all(0 <= y < 100 for y in data[0]["y"]) and all(0 < y < 100 for y in data[1]["y"])
+    assert page.evaluate(_JS_ANNOTATIONS, bubble) == []
+    spans = {t["name"]: t["x"] for t in plot_data(page, timeline)}
+    assert spans["forward"] and spans["backward"]  # the executor's F / B spans, by kind
+    assert page.evaluate(_JS_LAYOUT) == []
+    _explorer_shot(page, artifacts_dir / "tour_explorer_pp2_1280.png")
