@@ -54,17 +54,20 @@ def mfu_note(pipe: Optional[dict]) -> str:
             f"(simulated {100 * s['mfu_ceiling_simulated']:.0f} %)")
 
 
+_NONE = ["all ranks"]  # the placeholder bar without a pipeline
+
+
 def bubble_figure() -> go.Figure:
     """Bars over all ranks and each pipeline rank: ``data[0]`` measured, ``data[1]``
     simulated (hatched), ``data[2]`` the executor's overhead stacked on the simulated
     bar; idle / total in percent."""
     return go.Figure([
-        go.Bar(name="measured (trace)", x=[], y=[], marker_color=_BUBBLE, offsetgroup="m",
+        go.Bar(name="measured (trace)", x=_NONE, y=[0.0], marker_color=_BUBBLE, offsetgroup="m",
                hovertemplate="%{x}: %{y:.1f} % idle, measured<extra></extra>"),
-        go.Bar(name="simulated (measured costs + messages)", x=[], y=[], offsetgroup="s",
+        go.Bar(name="simulated (measured costs + messages)", x=_NONE, y=[0.0], offsetgroup="s",
                marker_color=_BUBBLE, marker_pattern_shape="/", opacity=0.55,
                hovertemplate="%{x}: %{y:.1f} % idle, simulated<extra></extra>"),
-        go.Bar(name="executor overhead", x=[], y=[], base=[], offsetgroup="s",
+        go.Bar(name="executor overhead", x=_NONE, y=[0.0], base=[0.0], offsetgroup="s",
                marker_color=_EXECUTOR, opacity=0.8,
                hovertemplate="%{x}: +%{y:.1f} % from the executor's hop and dispatch "
                              "time<extra></extra>")],
@@ -87,9 +90,11 @@ def _executor(pipe: dict) -> Optional[tuple]:
 def draw_bubble(fig, pipe: Optional[dict]) -> None:
     """The bubble of ``pipe`` (a :func:`report`), or "no pipeline at pp=1"."""
     if pipe is None:
+        # one zero bar behind the note, never empty traces: JupyterLab's plotly front end was
+        # seen not to apply a later restyle to bar traces that started with no points
         for tr in fig.data:
-            tr.update(x=[], y=[])
-        fig.data[2].base = []
+            tr.update(x=_NONE, y=[0.0])
+        fig.data[2].base = [0.0]
         empty_note(fig, "no pipeline at pp=1")
         fig.layout.title.text = "pipeline bubble"
         return
@@ -109,7 +114,7 @@ def draw_bubble(fig, pipe: Optional[dict]) -> None:
         note = (f"<br>executor band: hop {1e3 * s['hop_s']:.2f} ms, dispatch "
                 f"{1e3 * s['dispatch_s']:.2f} ms per action")
     else:
-        fig.data[2].update(x=[], y=[], base=[])
+        fig.data[2].update(x=x, y=[0.0] * len(x), base=sim)
     fig.layout.title.text = (
         f"pipeline bubble — {s['schedule']} P={s['pp']} M={s['microbatches']} "
         f"V={s['virtual_stages']}<br><sup>measured {100 * s['bubble']:.1f} % vs simulated "
