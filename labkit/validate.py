@@ -226,6 +226,9 @@ def _composition(cfg, mc) -> None:
                    "flat units (they reduce zeros for unused parameters themselves)")
     _refuse_unless(cfg, z == 0 and cfg.dp_mode == "ddp", ("bucket_mb",),
                    "buckets exist only in dp_mode='ddp' at zero_stage=0")
+    _refuse_unless(cfg, p.dp * p.cp > 1, ("dp_mode", "bucket_mb"),
+                   f"there is one data rank (dp x cp = {p.dp} x {p.cp} = 1): no gradient is "
+                   "reduced across ranks")
     _refuse_unless(cfg, cfg.checkpoint == "every", ("checkpoint_every",),
                    f"it sets the segment length of checkpoint='every' (got {cfg.checkpoint!r})")
     if p.pp > 1 and z >= 1 and cfg.schedule in ("zb-h1", "zb-v"):

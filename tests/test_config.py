@@ -114,3 +114,11 @@ def test_parallel_as_a_dict_is_stored_as_parallel_config():
     assert cfg.replace(parallel=dict(pp=2), dp=2).parallel == ParallelConfig(dp=2, pp=2)
     with pytest.raises(TypeError, match="zz"):
         RunConfig(parallel=dict(zz=2))
+
+
+@pytest.mark.parametrize("field,value", [("dp_mode", "naive"), ("bucket_mb", 1.0)])
+def test_data_parallel_knobs_refused_with_one_data_rank(field, value):
+    for par in (dict(), dict(pp=2), dict(tp=2)):
+        with pytest.raises(ValueError, match=f"{field}=.*dp x cp = 1 x 1 = 1"):
+            RunConfig(parallel=par, **{field: value}).validate()
+    RunConfig(parallel=dict(cp=2), **{field: value}).validate()  # cp ranks reduce gradients
