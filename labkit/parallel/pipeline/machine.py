@@ -12,9 +12,9 @@ time since the previous span). From them:
   ran at full speed (a core per rank, a GPU per rank) or carry no CPU times.
 * :func:`executor_time` — the executor's CPU seconds per compute action (posting messages,
   bookkeeping), the part of its overhead that is its own code.
-* :func:`overheads` — wall-clock gaps between spans (``hop_s`` when the rank waited for a
-  message, ``dispatch_s`` otherwise): a diagnostic that mixes the executor, the message and
-  the operating system's scheduling.
+* :func:`gaps`, :func:`overheads` — wall-clock gaps between spans (hops when the rank
+  waited for a message, free gaps otherwise): a diagnostic that mixes the executor, the
+  message and the operating system's scheduling.
 * :func:`fit_comm` — the per-hop delay that makes a replay of the measured spans last as
   long as the run did.
 """
@@ -26,7 +26,7 @@ from typing import Optional
 from .schedules import Schedule
 from .simulate import UNIT, simulate
 
-__all__ = ["shared_cores", "executor_time", "overheads", "fit_comm", "flushes"]
+__all__ = ["shared_cores", "executor_time", "gaps", "overheads", "fit_comm", "flushes"]
 
 
 def flushes(spans) -> dict:
@@ -100,22 +100,20 @@ def _producer(e, index: dict, schedule: Schedule):
     return src if src is not None and src.rank != e.rank else None
 
 
-def overheads(spans, schedule: Schedule) -> tuple:
-    """``(dispatch_s, hop_s)``: mean wall-clock gaps between compute spans, in seconds.
-
-    For each span after a rank's first in a flush: when it consumes a tensor from another
-    rank whose producing span ended after this rank's previous span, the rank waited, and
-    ``start − producer end`` is one hop sample (message time, the consumer's dispatch and,
-    when ranks share cores, the wait for a core); otherwise ``start − previous end`` is one
-    dispatch sample. Returns the means (``0.0`` where there are no samples). Needs one clock
-    for all ranks: true on one machine.
+def gaps(spans, schedule: Schedule) -> tuple:
+    """``(free, hops)``: wall-clock gaps (seconds) before each span after a rank's first in
+    a flush. When the span consumes a tensor from another rank whose producing span ended
+    after this rank's previous span, the rank waited, and ``start − producer end`` is a hop
+    (message time, the consumer's dispatch and, when ranks share cores, the wait for a
+    core); otherwise ``start − previous end`` is a free gap (the executor between two
+    spans it did not have to wait for). Needs one clock for all ranks: true on one machine.
     """
     index = {(e.step, e.args.get("flush", 0), "B" if e.name == "BW" else e.name,
               e.args["stage"], e.args["microbatch"]): e for e in spans}
     lanes: dict = defaultdict(list)
     for e in spans:
         lanes[(e.rank, e.step, e.args.get("flush", 0))].append(e)
-    dispatch, hop = [], []
+    free, hop = [], []
     for lane in lanes.values():
         lane.sort(key=lambda e: e.start)
         for prev, e in zip(lane, lane[1:]):
@@ -123,9 +121,15 @@ def overheads(spans, schedule: Schedule) -> tuple:
             if src is not None and src.end > prev.end:
                 hop.append(max(0.0, e.start - src.end))
             else:
-                dispatch.append(max(0.0, e.start - prev.end))
+                free.append(max(0.0, e.start - prev.end))
+    return free, hop
+
+
+def overheads(spans, schedule: Schedule) -> tuple:
+    """``(dispatch_s, hop_s)``: the means of :func:`gaps` (``0.0`` where there are none)."""
+    free, hop = gaps(spans, schedule)
     mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
-    return mean(dispatch), mean(hop)
+    return mean(free), mean(hop)
 
 
 def fit_comm(schedule: Schedule, durations: dict, window: float) -> float:
