@@ -32,7 +32,8 @@ def main() -> int:
     rows, worst = [], 0.0
     with labkit.Cluster(world_size=4, backend="gloo", device="cpu") as cluster:
         for dp, bucket in SETTINGS:
-            cfgs = {m: base.replace(dp=dp, bucket_mb=bucket, dp_mode=m)
+            cfgs = {m: base.replace(dp=dp, bucket_mb=bucket,
+                                    impl="torch" if m == "torch" else "labkit")
                     for m in ("ddp", "torch")}
             for cfg in cfgs.values():  # warm-up
                 cluster.run(jobs.train, cfg.replace(steps=2))

@@ -1,4 +1,4 @@
-"""labkit FSDP (ZeRO-3, :mod:`labkit.parallel.fsdp`) vs PyTorch FSDP2 ``fully_shard``.
+"""labkit FSDP (ZeRO-3, :mod:`labkit.parallel.zero.fsdp`) vs PyTorch FSDP2 ``fully_shard``.
 
 Same model (``small`` preset), same global batch (8), same units (every block, then the
 root), same mesh: dp 2 and 4 (1-D), and HSDP 2 x 2 (2-D). All on one warm 4-rank gloo
@@ -23,23 +23,23 @@ SETTINGS = [(2, 1), (4, 1), (4, 2)]  # (dp, hsdp replicas)
 
 def main() -> int:
     import labkit
+    from labkit import jobs
     from labkit.config import RunConfig
-    from labkit.parallel.zero_config import ZeroConfig
-    from labkit.parallel.zero_jobs import zero_train
 
     run = RunConfig(model="small", steps=STEPS, global_batch=8, measure_memory=False,
                     count_flops=False)
     rows, worst = [], 0.0
     with labkit.Cluster(world_size=4, backend="gloo", device="cpu") as cluster:
         for dp, m in SETTINGS:
-            cfgs = {impl: ZeroConfig(run=run.replace(dp=dp), zero_stage=3, hsdp_replicas=m,
-                                     impl=impl) for impl in ("labkit", "torch")}
+            cfgs = {impl: run.replace(dp=dp, zero_stage=3, impl=impl,
+                                      **({"hsdp_replicas": m} if m > 1 else {}))
+                    for impl in ("labkit", "torch")}
             for cfg in cfgs.values():  # warm-up (groups, meshes, lazy init)
-                cluster.run(zero_train, cfg.replace(steps=2))
+                cluster.run(jobs.train, cfg.replace(steps=2))
             times: dict = {impl: [] for impl in cfgs}
             for i in range(REPS):
                 for impl in (("labkit", "torch") if i % 2 == 0 else ("torch", "labkit")):
-                    r = cluster.run(zero_train, cfgs[impl])
+                    r = cluster.run(jobs.train, cfgs[impl])
                     times[impl].append(max(x["step_time_s"] for x in r.metrics))
             ours, theirs = statistics.median(times["labkit"]), statistics.median(times["torch"])
             paired = statistics.median(a / b for a, b in zip(times["labkit"], times["torch"]))

@@ -13,6 +13,7 @@ _LAZY = {
     "Cluster": "labkit.cluster",
     "RunResult": "labkit.result",
     "RankError": "labkit.result",
+    "JobCancelled": "labkit.result",
     "Trace": "labkit.trace",
     "Event": "labkit.trace",
     "RunConfig": "labkit.config",

@@ -6,35 +6,41 @@ its process group initialised, and ``run`` ships (job, config) to them over pipe
 
 Faults never hang the caller: a rank that raises becomes :class:`RankError` carrying the
 remote traceback, a job past its timeout becomes ``TimeoutError``, a kernel interrupt
-cancels the job; in each case the ranks are killed and a fresh pool starts in the
-background, so the next ``run`` works.
+cancels the job (:class:`JobCancelled`, one line); in each case the ranks are killed and a
+fresh pool starts in the background, so the next ``run`` works. A pool that cannot start
+says why as soon as it is known, naming the stage each rank reached
+(:mod:`labkit.startup`).
+
+One pool per (world size, backend, device) per process: re-running a notebook's
+``Cluster(4)`` cell stops the pool the previous ``Cluster(4)`` started (its ranks exit
+within seconds), and the old object forwards ``run`` to the new one, so a widget still
+holding it follows the new pool. ``replace=False`` asks for a pool of one's own.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
-import multiprocessing as mp
 import os
 import pickle
 import shutil
-import sys
-import tempfile
 import time
-import types
 import warnings
 import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
-from .preflight import check_world_size
-from .result import RankError, RunResult
+from .preflight import check_run_fits, check_world_size
+from .result import JobCancelled, RankError, RunResult
+from .startup import Startup, spawn_ranks
 from .trace import Trace
 from .worker import check_config, job_reference
 
-__all__ = ["Cluster", "RunResult", "RankError", "job_reference"]
+__all__ = ["Cluster", "RunResult", "RankError", "JobCancelled", "job_reference"]
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+#: (world_size, backend, device) -> the Cluster whose pool is current for that key
+_CURRENT: "dict[tuple, weakref.ref]" = {}
+
 
 
 class Cluster:
@@ -49,6 +55,10 @@ class Cluster:
         start_timeout_s: seconds the ranks may take to start and join the group.
         threads_per_rank: torch intra-op threads per rank; default cores // world_size
             (at least 1), so ranks do not oversubscribe the CPU.
+        replace: become this process's pool for (world_size, backend, device): the pool of
+            an earlier such ``Cluster`` (made with ``replace=True`` too) is stopped now, and
+            that object's ``run`` forwards here (:attr:`current`). ``False``: a pool of its
+            own, which neither replaces nor is replaced (several pools of one size).
 
     Raises:
         ValueError: a bad world size, backend or device, before any process starts.
@@ -56,7 +66,7 @@ class Cluster:
 
     def __init__(self, world_size: int = 4, backend: str = "auto", device: str = "auto",
                  timeout_s: float = 300.0, start_timeout_s: float = 120.0,
-                 threads_per_rank: Optional[int] = None):
+                 threads_per_rank: Optional[int] = None, replace: bool = True):
         import torch
 
         if not isinstance(world_size, int) or world_size < 1:
@@ -87,52 +97,94 @@ class Cluster:
         self._ids = itertools.count()
         self.info: list = []
         self.restarts = 0
+        self.replace = bool(replace)
+        self._successor: Optional[weakref.ref] = None
         self._start()
         _LIVE.add(self)
 
+    # -- one pool per key ------------------------------------------------------------
+    @property
+    def _key(self) -> tuple:
+        return (self.world_size, self.backend, self.device)
+
+    def _claim(self) -> None:
+        """Make this the current pool of its key; stop the one it replaces."""
+        if not self.replace:
+            return
+        self._successor = None
+        ref = _CURRENT.get(self._key)
+        old = ref() if ref is not None else None
+        _CURRENT[self._key] = weakref.ref(self)
+        if old is not None and old is not self:
+            old._successor = weakref.ref(self)
+            old.close()
+
+    @property
+    def current(self) -> "Cluster":
+        """The cluster ``run`` uses: this one, or the newer ``Cluster`` of the same world
+        size, backend and device that replaced it (a re-run notebook cell)."""
+        c, seen = self, set()
+        while c._successor is not None and id(c) not in seen:
+            seen.add(id(c))
+            nxt = c._successor()
+            if nxt is None:
+                break
+            c = nxt
+        return c
+
+    @property
+    def replaced(self) -> bool:
+        """True when a newer ``Cluster`` replaced this one's pool (``run`` forwards to it)."""
+        return self.current is not self
+
     # -- lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._tmp = tempfile.mkdtemp(prefix="labkit-")
-        store = os.path.join(self._tmp, "store")
-        self._conns, self._procs = [], []
-        with _main_hidden():
-            for rank in range(self.world_size):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                p = ctx.Process(target=_worker_entry, name=f"labkit-rank{rank}", daemon=True,
-                                args=(rank, self.world_size, store, self.backend, self.device,
-                                      self.threads_per_rank, child_end, os.getpid(),
-                                      list(sys.path)))
-                p.start()
-                child_end.close()
-                self._conns.append(parent_end)
-                self._procs.append(p)
+        self._procs, self._conns, self._tmp = spawn_ranks(
+            self.world_size, self.backend, self.device, self.threads_per_rank)
         self._ready = False
-        self._started_at = time.perf_counter()
+        self._startup = Startup(self.world_size, self.start_timeout_s)
+        self._claim()
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, block: bool = True) -> bool:
+        """Collect the ranks' startup messages; True once every rank joined the group.
+
+        ``block=False`` only reads what has arrived. Raises ``RankError`` (a rank raised
+        or died while starting: the message names the stage it reached) or
+        ``TimeoutError`` (the start timeout, or ranks stuck in ``init_process_group`` for
+        :data:`labkit.startup.JOIN_TIMEOUT_S`); either way the ranks are stopped and the
+        next ``run`` starts fresh ones.
+        """
         if self._ready:
-            return
-        self.info = [None] * self.world_size
-        pending = set(range(self.world_size))
-        deadline = self._started_at + self.start_timeout_s
-        while pending:
-            left = deadline - time.perf_counter()
-            if left <= 0:
+            return True
+        st = self._startup
+        while st.pending:
+            now = time.perf_counter()
+            err = st.overdue(now)
+            if err is not None:
                 self._kill()
-                raise TimeoutError(f"ranks {sorted(pending)} did not start within "
-                                   f"{self.start_timeout_s} s")
-            kind, rank, payload = self._next_message(pending, left)
+                raise err
+            wait = min(st.deadline - now, 0.5) if block else 0.0
+            kind, rank, payload = self._next_message(st.pending, wait)
             if kind is None:
+                if not block:
+                    return False
                 continue
-            if kind == "ready":
-                self.info[rank] = payload
-                pending.discard(rank)
-            elif kind == "error":
+            if kind == "error":
+                err = st.failed(rank, payload)
                 self._kill()
-                self._start()
-                raise RankError(rank, payload, "startup")
-        self._ready = True
+                raise err
+            st.note(kind, rank, payload)
+        self.info, self._ready = st.info, True
+        return True
+
+    def ready(self) -> bool:
+        """True when every rank has joined the process group, without waiting: a ``run``
+        now starts at once. False while a pool starts (or after ``close``); a widget shows
+        "starting ranks…" then. Raises what a failed start raises (see ``run``)."""
+        c = self.current
+        if not c._procs:
+            return False
+        return c._wait_ready(block=False) and c.alive
 
     def _next_message(self, ranks, timeout):
         """One (kind, rank, payload) from ``ranks``' pipes; a dead rank is an error."""
@@ -172,6 +224,8 @@ class Cluster:
 
     def restart(self) -> None:
         """Kill the ranks and start a fresh pool (non-blocking; the next run waits)."""
+        if self.replaced:
+            return self.current.restart()
         self._kill()
         self.restarts += 1
         self._start()
@@ -208,9 +262,21 @@ class Cluster:
         except Exception:
             pass
 
+    @property
+    def state(self) -> str:
+        """``"warm"``, ``"starting"``, ``"closed"``, ``"broken"`` (a rank exited while idle;
+        the next run restarts) or ``"replaced"`` (``run`` forwards to :attr:`current`)."""
+        if self.replaced:
+            return "replaced"
+        return ("closed" if not self._procs else "starting" if not self._ready
+                else "warm" if self.alive else "broken")
+
     def __repr__(self) -> str:
-        state = ("closed" if not self._procs else "starting" if not self._ready
-                 else "warm" if self.alive else "broken: a rank exited; the next run restarts")
+        state = self.state
+        if state == "replaced":
+            state = f"replaced by a newer {self.current!r}: run() goes there"
+        elif state == "broken":
+            state = "broken: a rank exited; the next run restarts"
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device!r}, {state})")
 
@@ -230,14 +296,24 @@ class Cluster:
         Raises:
             TypeError: the job is not importable by the ranks, the config is not of the class
                 the job's config parameter is annotated with, or it is not picklable.
-            ValueError: the config is invalid for this cluster (from its ``validate``).
+            ValueError: the config is invalid for this cluster (from its ``validate``), or
+                (CPU ranks) its model state cannot fit the memory this machine has now.
             RankError: a rank raised; the pool is restarted.
-            TimeoutError: the job ran too long; the pool is restarted.
+            TimeoutError: the job ran too long, or the ranks could not start; the pool is
+                restarted.
+            JobCancelled: a kernel interrupt (a ``KeyboardInterrupt``) cancelled the job;
+                the pool is restarted.
+
+        A cluster that a newer ``Cluster`` of the same kind replaced runs on that one.
         """
+        if self.replaced:
+            return self.current.run(job, config, nranks=nranks, timeout_s=timeout_s)
         module, qualname = job_reference(job)
         check_config(job, config)
         if hasattr(config, "validate"):
             config.validate(self.world_size)
+            if self.backend == "gloo" and getattr(config, "mesh", None) is not None:
+                check_run_fits(config)  # the model fits this machine's memory, as on the CLI
         if nranks is None:
             par = getattr(config, "parallel", None)
             nranks = getattr(par, "world_size", None) or self.world_size
@@ -263,16 +339,20 @@ class Cluster:
                           "restarting the pool before this run", RuntimeWarning, stacklevel=2)
             self.restart()
         name = f"{module}.{qualname}"
+        started = False
         try:
             self._wait_ready()
             job_id = next(self._ids)
             t0 = time.perf_counter()
+            started = True
             for c in self._conns:
                 c.send(("run", job_id, module, qualname, config, nranks))
             outputs, events = self._collect(job_id, name, t0 + timeout_s, timeout_s)
         except KeyboardInterrupt:
             self.restart()
-            raise
+            what = (f"job {name} cancelled on {nranks} rank{'s' if nranks > 1 else ''}"
+                    if started else f"start of {self.world_size} ranks cancelled")
+            raise JobCancelled(f"{what}; pool restarting") from None
         return RunResult(config, [outputs[r] for r in range(nranks)], Trace.merge(events),
                          time.perf_counter() - t0, name)
 
@@ -296,29 +376,6 @@ class Cluster:
                 self.restart()
                 raise RankError(rank, payload, name)
         return outputs, events
-
-
-@contextlib.contextmanager
-def _main_hidden():
-    """Start ranks without re-running the caller's ``__main__``.
-
-    The spawn method normally re-imports the parent's main module in each child, which
-    re-runs an unguarded script (and its ``Cluster(...)`` line) in every rank. Jobs are
-    imported by name, so ranks never need ``__main__``: a bare stand-in is shown to
-    multiprocessing while the processes are created.
-    """
-    real = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = real
-
-
-def _worker_entry(*args) -> None:
-    from .worker import worker_main
-
-    worker_main(*args)
 
 
 @atexit.register

@@ -15,6 +15,7 @@ all-reduce         2(N−1)/N · S  sent, the same received
 reduce-scatter     (N−1)/N · S   (S = the full, unscattered input)
 all-gather         (N−1)/N · S   (S = the full, gathered output)
 all-to-all         (N−1)/N · S   (S = this rank's input)
+all-to-all-v       the rows this rank sends to (receives from) other ranks, exactly
 broadcast          S per hop: the root sends S, every other rank receives S
 reduce             S per hop: every non-root sends S, the root receives S
 send / recv        S
@@ -24,9 +25,16 @@ gloo implements some collectives internally with other algorithms (for example
 all-reduce of large tensors without a ring, pytorch/pytorch#149869), so its wire bytes and
 timing are not always the ring's. Counting the algorithm's bytes keeps the numbers
 comparable to the lectures' formulas on every backend.
+
+So for the native collectives the bytes are the formula, not a measurement, and every such
+event says so: ``args["bytes"] == "formula"``. Point-to-point events (``send``/``recv``, and
+so labkit's hand-built algorithms in :mod:`labkit.collectives`, which are made of them)
+carry the payload each call really handed to the backend: ``args["bytes"] == "measured"``
+(payload only: headers and the transport's own traffic are not in it).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -35,8 +43,13 @@ import torch.distributed as dist
 from .trace import COMM, P2P, Event, current_tracer
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
+           "all_to_all_single",
            "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-           "barrier", "Handle", "group_size", "group_ranks", "nbytes"]
+           "barrier", "Handle", "group_size", "group_ranks", "nbytes", "BYTES_FORMULA",
+           "BYTES_MEASURED"]
+
+#: ``Event.args["bytes"]``: how the event's byte counts were obtained
+BYTES_FORMULA, BYTES_MEASURED = "formula", "measured"
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT, "avg": dist.ReduceOp.SUM}
@@ -111,6 +124,7 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
     tracer = current_tracer()
     event = None
     if tracer is not None:
+        args["bytes"] = BYTES_FORMULA if cat == COMM else BYTES_MEASURED
         event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
                       bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
                       peers=tuple(peers), args=args)
@@ -177,9 +191,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
-               axis: Optional[str] = None, async_op: bool = False) -> Optional[Handle]:
+               axis: Optional[str] = None, async_op: bool = False, **tags) -> Optional[Handle]:
     """Chunk ``j`` of ``input`` (dim 0 split in N) goes to group rank ``j``; chunk ``i`` of
-    ``output`` comes from group rank ``i`` — a distributed transpose. Bytes: (N−1)/N · S."""
+    ``output`` comes from group rank ``i`` — a distributed transpose. Bytes: (N−1)/N · S.
+    ``tags`` are stored in the trace event's ``args``."""
     n, s = group_size(group), nbytes(input)
     if input.shape[0] % n:
         raise ValueError(f"all_to_all: dim 0 of input ({input.shape[0]}) does not divide by "
@@ -187,7 +202,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     return _run("all_to_all", COMM,
                 lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, numel=input.numel())
+                peers=group_ranks(group), async_op=async_op, numel=input.numel(), **tags)
 
 
 def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -200,6 +215,49 @@ def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
     _run("all_to_all", COMM, lambda a: dist.all_to_all(list(outputs), list(inputs), group, a),
          group=group, axis=axis, sent=sent, recv=recv, peers=group_ranks(group),
          async_op=False, form="list")
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Optional[Sequence[int]] = None,
+                      input_split_sizes: Optional[Sequence[int]] = None, group=None,
+                      axis: Optional[str] = None, async_op: bool = False,
+                      **tags) -> Optional[Handle]:
+    """All-to-all with variable split sizes (MPI's all-to-all-v): rows
+    ``input[sum(in[:j]) : sum(in[:j+1])]`` go to group rank ``j``; the rows from group rank
+    ``i`` land in ``output[sum(out[:i]) : sum(out[:i+1])]``. Sizes count rows of dim 0 and may
+    be 0 (a rank may send nothing at all); ``None`` means equal splits. Every rank's
+    ``input_split_sizes[j]`` must equal rank ``j``'s ``output_split_sizes[me]``.
+
+    Bytes, exactly: this rank's rows to other ranks (its own split is a local copy), and
+    the rows it receives from them. The event's ``args`` hold ``bytes_to`` and
+    ``bytes_from`` per group rank (own rank 0) and any ``tags``.
+
+    Raises:
+        ValueError: a split list not of length N, a negative size, sizes not summing to
+            dim 0, or equal splits that do not divide dim 0.
+    """
+    n, me = group_size(group), dist.get_rank(group)
+    splits = []
+    for name, t, sizes in (("input", input, input_split_sizes),
+                           ("output", output, output_split_sizes)):
+        rows = t.shape[0] if t.dim() else 0
+        if sizes is None:
+            if rows % n:
+                raise ValueError(f"all_to_all_single: dim 0 of {name} ({rows}) does not divide "
+                                 f"by N={n}; pass {name}_split_sizes")
+            sizes = [rows // n] * n
+        sizes = [int(v) for v in sizes]
+        if len(sizes) != n or min(sizes) < 0 or sum(sizes) != rows:
+            raise ValueError(f"all_to_all_single: {name}_split_sizes={sizes} must be {n} sizes "
+                             f">= 0 summing to dim 0 of {name} ({rows})")
+        row_bytes = math.prod(t.shape[1:]) * t.element_size()
+        splits.append((sizes, [0 if j == me else v * row_bytes for j, v in enumerate(sizes)]))
+    (in_sizes, to), (out_sizes, frm) = splits
+    return _run("all_to_all", COMM,
+                lambda a: dist.all_to_all_single(output, input, out_sizes, in_sizes, group=group,
+                                                 async_op=a),
+                group=group, axis=axis, sent=sum(to), recv=sum(frm), peers=group_ranks(group),
+                async_op=async_op, form="v", bytes_to=to, bytes_from=frm, **tags)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None) -> None:
@@ -253,11 +311,12 @@ def irecv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None
 
 
 def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None,
-                      axis: Optional[str] = None) -> list[Handle]:
+                      axis: Optional[str] = None, tag: int = 0, **tags) -> list[Handle]:
     """Post ``sends`` [(tensor, dst)] and ``recvs`` [(tensor, src)] together, so a ring step
-    where every rank sends and receives cannot deadlock. Returns one handle per op."""
-    ops = ([dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-           + [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs])
+    where every rank sends and receives cannot deadlock. Returns one handle per op.
+    ``tag`` matches sends to receives (gloo); ``tags`` go into the trace events' ``args``."""
+    ops = ([dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
+           + [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs])
     works = dist.batch_isend_irecv(ops) if ops else []
     tracer = current_tracer()
     handles = []
@@ -268,7 +327,7 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
             ev = Event(tracer.rank, kind, P2P, tracer.now(), 0.0, op=kind,
                        bytes_sent=float(nbytes(t)) if kind == "send" else 0.0,
                        bytes_recv=float(nbytes(t)) if kind == "recv" else 0.0,
-                       axis=axis, peers=(peer,))
+                       axis=axis, peers=(peer,), args={**tags, "bytes": BYTES_MEASURED})
         handles.append(Handle(work, ev))
     return handles
 

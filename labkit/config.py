@@ -1,8 +1,10 @@
-"""Frozen run configuration: model shape, parallel degrees, training knobs.
+"""Frozen configuration: the model's shape (:class:`ModelConfig`) and one training run
+(:class:`RunConfig`: the model, the batch, every parallel degree and its knobs).
 
 Every config is a frozen dataclass (picklable, hashable) so it can cross into rank
 processes and be compared between runs. ``RunConfig.validate(world_size)`` raises
-``ValueError`` naming the field and the numbers *before* any process is touched.
+``ValueError`` naming the field and the numbers *before* any process is touched; its rules
+live in :mod:`labkit.validate`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-__all__ = ["ModelConfig", "ParallelConfig", "RunConfig", "PRESETS", "preset"]
+__all__ = ["ModelConfig", "ParallelConfig", "RunConfig", "PRESETS", "preset", "COUNT_ONLY"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,15 @@ class ModelConfig:
         rope_theta: rotary base (Su et al. 2021, RoFormer §3.4).
         kind: ``"gpt"`` or ``"vit"``.
         image_size, patch_size, n_classes, channels: ViT only.
+        n_experts: mixture-of-experts: each block's MLP becomes ``n_experts`` SwiGLU experts
+            of hidden size ``ffn_dim`` and a router (Shazeer et al. 2017; Fedus et al. 2022,
+            Switch Transformer); ``0`` keeps the dense MLP.
+        top_k: experts each token is sent to (1 = Switch, 2 = GShard/Mixtral); their router
+            probabilities are renormalised over the chosen ``top_k``.
+        capacity_factor: each token group may send at most
+            ``ceil(capacity_factor · top_k · tokens / n_experts)`` tokens to one expert; the
+            rest are dropped (their residual passes through). ``None``: nothing is dropped.
+        aux_loss_weight: weight of the load-balancing loss (Switch Transformer eq. 4).
     """
 
     n_layers: int = 2
@@ -49,6 +60,10 @@ class ModelConfig:
     n_classes: int = 10
     channels: int = 1
     name: str = "custom"
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: Optional[float] = None
+    aux_loss_weight: float = 0.01
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +98,22 @@ class ModelConfig:
         if self.kind == "vit" and self.image_size % self.patch_size:
             raise ValueError(f"ModelConfig.image_size={self.image_size} does not divide by "
                              f"patch_size={self.patch_size}")
+        n, k, cf, w = self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = dense MLP), "
+                             f"got {n!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ModelConfig.top_k must be an int >= 1, got {k!r}")
+        if n and k > n:
+            raise ValueError(f"ModelConfig.top_k={k} exceeds n_experts={n}: a token cannot go "
+                             f"to more experts than there are")
+        if cf is not None and not (isinstance(cf, (int, float)) and not isinstance(cf, bool)
+                                   and math.isfinite(cf) and cf > 0):
+            raise ValueError(f"ModelConfig.capacity_factor must be None or a finite number > 0, "
+                             f"got {cf!r}")
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                and w >= 0):
+            raise ValueError(f"ModelConfig.aux_loss_weight must be a finite number >= 0, got {w!r}")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -103,6 +134,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-405b": ModelConfig(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8,
                                d_ff=53248, vocab_size=128256, seq_len=8192,
                                tie_embeddings=False, rope_theta=500000.0, name="llama3-405b"),
+    # "tiny" with each MLP replaced by 4 SwiGLU experts, two per token
+    "tiny-moe": ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64, n_experts=4, top_k=2,
+                            aux_loss_weight=0.01, name="tiny-moe"),
     # a small ViT for scikit-learn's 8x8 digits
     "vit-digits": ModelConfig(kind="vit", n_layers=2, d_model=64, n_heads=4, image_size=8,
                               patch_size=2, n_classes=10, channels=1, seq_len=16,
@@ -124,7 +158,8 @@ def preset(name: str) -> ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees of each parallelism. Their product is the number of ranks a job uses."""
+    """Degrees of each parallelism. ``dp·tp·pp·cp`` ranks run the job; ``ep`` (expert
+    parallelism) is a second view over the ``dp·cp`` ranks and adds none."""
 
     dp: int = 1
     tp: int = 1
@@ -139,33 +174,67 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {v!r}")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One training job: what to train, how to split it, and what to measure.
+    """One training job: what to train, how to split it over the mesh, what to measure.
+
+    The job (:func:`labkit.jobs.train`) composes, in this order: pipeline split (``pp``) →
+    tensor (``tp``) → context (``cp``) → expert (``ep``) parallelism → activation
+    checkpointing → data parallelism / ZeRO / FSDP / HSDP over the data ranks → AdamW.
+    Every field either takes effect in that composition or is refused by :meth:`validate`.
 
     Attributes:
         model: a preset name or a ``ModelConfig``.
-        parallel: the degrees; ``dp`` ranks each take ``global_batch / dp`` samples.
-        global_batch: samples per optimizer step over all ranks.
-        micro_batch: samples per forward/backward on one rank; ``global_batch / (dp ·
-            micro_batch)`` microbatches are accumulated before the gradient sync.
-        dp_mode: ``"ddp"`` (bucketed all-reduce from backward hooks) or ``"naive"``
-            (all-reduce every gradient after backward) or ``"torch"`` (torch DDP).
-        bucket_mb: DDP bucket capacity in MiB (PyTorch's default is 25).
-        find_unused: all-reduce zeros for parameters that got no gradient instead of
-            raising (torch DDP's ``find_unused_parameters``).
-        measure_memory: track memory by category on the last step.
-        count_flops: count matmul FLOPs with torch's FLOP counter (one extra step).
-        timeout_s: seconds before a hung job is cancelled.
-        return_state: rank 0 returns the final parameters (for parity checks).
-        checkpoint: activation-checkpointing policy for the transformer blocks: ``"none"``,
-            ``"full"``, ``"every"`` (segments of ``checkpoint_every`` blocks) or
-            ``"selective"`` (:mod:`labkit.parallel.checkpoint_policy`).
+        parallel: the degrees (``dp``, ``tp``, ``pp``, ``cp``, ``ep``).
+        steps: optimizer steps. global_batch: samples per step over all ranks.
+        micro_batch: samples per forward/backward on one data-parallel rank; ``None`` is
+            the whole local batch (``global_batch / dp``) without a pipeline; with one,
+            ``local / microbatches`` when ``microbatches`` is set, else ``local/M`` for the
+            largest ``M <= 2·pp`` dividing the local batch.
+        lr, weight_decay, adam_eps: AdamW's (``lr`` > 0, ``weight_decay`` >= 0, ``eps`` > 0;
+            PyTorch's default ``1e-8``). A parameter whose gradient is near zero moves by up
+            to ``lr`` when its gradient changes sign in the last bit, so parity checks after
+            several steps use a larger ``eps`` (``1e-6``).
+        seed: model initialisation and data order; equal seeds give equal runs.
+        dataset: ``"text"`` (GPT) or ``"digits"`` (ViT).
+        zero_stage: 0 plain data parallelism, 1 optimizer state sharded, 2 + gradients,
+            3 + parameters (FSDP) — Rajbhandari et al. 2020, §5.1.
+        hsdp_replicas: ``M`` HSDP replica groups of ``dp/M`` shards (ZeRO 1–3; Zhao et al.
+            2023 §3.2.2); 1 is plain ZeRO over all data ranks.
+        prefetch: ZeRO-3: issue the next unit's all-gather before computing the current one.
+        keep_last: ZeRO-3: keep the root unit gathered across the forward→backward turn.
+        dp_mode: ZeRO 0: ``"ddp"`` (bucketed, overlapped all-reduce) or ``"naive"`` (one
+            all-reduce per parameter after backward).
+        bucket_mb: ``"ddp"`` bucket capacity in MiB (PyTorch's default is 25).
+        find_unused: ZeRO 0: all-reduce zeros for parameters that got no gradient instead
+            of raising (ZeRO units always do).
+        schedule: pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
+            ``zb-v``) when ``pp > 1``.
+        microbatches: microbatches per pipeline flush (``pp > 1``); ``None`` runs all of a
+            step's microbatches in one flush, else the step runs several flushes.
+        virtual_stages: stages per pipeline rank ``V`` (``None``: what the schedule needs).
+        sequence_parallel: with ``tp > 1``, norms on ``S/tp`` tokens and all-gather /
+            reduce-scatter instead of all-reduce (Korthikanti et al. 2022).
+        cp_method: with ``cp > 1``: ``"ring"``, ``"ulysses"`` or ``"allgather"``.
+        cp_zigzag: with ``cp > 1``: balance causal work with the zigzag split.
+        checkpoint: activation checkpointing of the blocks: ``"none"``, ``"full"``,
+            ``"every"`` (segments of ``checkpoint_every`` blocks) or ``"selective"``.
         checkpoint_every: blocks per segment for ``checkpoint="every"``.
+        precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 master weights and Adam
+            state: 16 bytes per parameter with ZeRO's bf16 parameters and gradients).
+        compile: ``torch.compile`` each transformer block.
+        impl: ``"labkit"`` or ``"torch"``: PyTorch's own counterpart of the one parallelism
+            in use (DDP, FSDP2 ``fully_shard``, ``torch.distributed.pipelining``), the
+            parity and speed reference.
+        measure_memory: track memory by category in the last step.
+        count_flops: count FLOPs with torch's counter (cached per shape) for MFU.
+        timeout_s: seconds before a hung job is cancelled.
+        return_state: every rank returns the full fp32 parameters by name.
+        return_grads: every rank returns the first step's full gradients by name.
     """
 
     model: ModelConfig | str = "tiny"
@@ -175,36 +244,113 @@ class RunConfig:
     micro_batch: Optional[int] = None
     lr: float = 1e-3
     weight_decay: float = 0.0
+    adam_eps: float = 1e-8
     seed: int = 0
     dataset: str = "text"
+    zero_stage: int = 0
+    hsdp_replicas: int = 1
+    prefetch: bool = True
+    keep_last: bool = True
     dp_mode: str = "ddp"
     bucket_mb: float = 25.0
     find_unused: bool = False
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    virtual_stages: Optional[int] = None
+    sequence_parallel: bool = False
+    cp_method: str = "ring"
+    cp_zigzag: bool = True
+    checkpoint: str = "none"
+    checkpoint_every: int = 1
+    precision: str = "fp32"
+    compile: bool = False
+    impl: str = "labkit"
     measure_memory: bool = True
     count_flops: bool = True
     timeout_s: float = 120.0
     return_state: bool = False
-    checkpoint: str = "none"
-    checkpoint_every: int = 1
+    return_grads: bool = False
 
+    # -- derived -------------------------------------------------------------------------
     @property
     def model_config(self) -> ModelConfig:
         return preset(self.model) if isinstance(self.model, str) else self.model
 
     @property
+    def planning_only(self) -> bool:
+        """True for a preset too large to build on one machine (planning and counting)."""
+        return isinstance(self.model, str) and self.model in COUNT_ONLY
+
+    @property
     def local_batch(self) -> int:
+        """Samples per step on one data-parallel rank."""
         return self.global_batch // self.parallel.dp
 
     @property
     def micro(self) -> int:
-        return self.micro_batch or self.local_batch
+        """Samples per microbatch on one data-parallel rank."""
+        if self.micro_batch is not None:
+            return self.micro_batch
+        local = max(1, self.local_batch)
+        if self.parallel.pp == 1:
+            return local
+        if self.microbatches:  # one flush of that many microbatches
+            return max(1, local // self.microbatches)
+        m = max(d for d in range(1, min(local, 2 * self.parallel.pp) + 1) if local % d == 0)
+        return local // m
 
     @property
     def accum_steps(self) -> int:
+        """Microbatches per step on one data-parallel rank."""
         return self.local_batch // self.micro
 
+    @property
+    def flush_microbatches(self) -> int:
+        """``M``: microbatches per pipeline flush."""
+        return self.microbatches or self.accum_steps
+
+    @property
+    def flushes(self) -> int:
+        """Pipeline flushes per step (gradient accumulation across flushes)."""
+        return self.accum_steps // self.flush_microbatches
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``V``: pipeline stages per rank."""
+        from .parallel.pipeline.schedules import STAGES_PER_RANK
+
+        return self.virtual_stages or STAGES_PER_RANK.get(self.schedule) or 2
+
+    @property
+    def n_stages(self) -> int:
+        return self.parallel.pp * self.stages_per_rank if self.parallel.pp > 1 else 1
+
+    @property
+    def mesh(self):
+        """The :class:`~labkit.mesh.Mesh`: ``dp`` is ``dp_replicate`` (plain data
+        parallelism) at ZeRO 0, and ``hsdp_replicas × dp/hsdp_replicas`` above."""
+        from .mesh import Mesh
+
+        p = self.parallel
+        repl = p.dp if self.zero_stage == 0 else self.hsdp_replicas
+        return Mesh(pp=p.pp, dp_replicate=repl, dp_shard=p.dp // repl, cp=p.cp, tp=p.tp,
+                    ep=p.ep)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one global batch: the denominator of every rank's loss."""
+        return self.global_batch * self.model_config.seq_len
+
+    def build_schedule(self):
+        """The pipeline :class:`~labkit.parallel.pipeline.schedules.Schedule` of one flush."""
+        from .parallel.pipeline.schedules import build
+
+        return build(self.schedule, self.parallel.pp, self.flush_microbatches,
+                     self.stages_per_rank)
+
     def replace(self, **changes) -> "RunConfig":
-        """Copy with ``changes``; ``dp=`` etc. are routed into ``parallel``."""
+        """Copy with ``changes``; ``dp=``, ``tp=``, ``pp=``, ``cp=``, ``ep=`` go to
+        ``parallel``."""
         par = {k: changes.pop(k) for k in list(changes) if k in _PARALLEL_FIELDS}
         if par:
             changes["parallel"] = replace(changes.get("parallel", self.parallel), **par)
@@ -214,81 +360,20 @@ class RunConfig:
         """Check that this job can run on ``world_size`` ranks; return ``self``.
 
         Raises:
-            ValueError: naming the field and the numbers, e.g. dp not dividing the ranks,
-                a global batch not divisible by ``dp · micro_batch``, an unknown preset.
+            ValueError: naming the field and the numbers (see :mod:`labkit.validate`).
         """
-        mc = self.model_config
-        mc.validate()
-        if isinstance(self.model, str) and self.model in COUNT_ONLY:
-            raise ValueError(f"model preset {self.model!r} is for planning and counting only "
-                             "(labkit.plan); train 'tiny', 'small' or 'gpt2-124m'")
-        self.parallel.validate()
-        p = self.parallel
-        others = {k: getattr(p, k) for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1}
-        if others:
-            raise ValueError(
-                f"{', '.join(f'{k}={v}' for k, v in others.items())}: the training job runs "
-                "data parallelism only (dp, ZeRO through labkit.parallel.zero_jobs); N-D "
-                "composition is not available yet, and pipelines use "
-                "labkit.parallel.pipeline (labkit run --pp)")
-        if world_size is not None:
-            if p.world_size > world_size:
-                raise ValueError(f"parallel degrees need {p.world_size} ranks "
-                                 f"(dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.cp}) but the "
-                                 f"cluster has world_size={world_size}")
-            if world_size % p.dp:
-                raise ValueError(f"dp={p.dp} does not divide the cluster's "
-                                 f"world_size={world_size}")
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
-        if self.global_batch % p.dp:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={p.dp}: "
-                             "every data-parallel rank needs the same number of samples")
-        if self.global_batch % (p.dp * self.micro):
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by "
-                             f"dp x micro_batch = {p.dp} x {self.micro} = {p.dp * self.micro}")
-        if self.dp_mode not in ("ddp", "naive", "torch"):
-            raise ValueError(f"dp_mode must be 'ddp', 'naive' or 'torch', got {self.dp_mode!r}")
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
-                and self.bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a finite number > 0, got {self.bucket_mb!r}")
-        if self.dataset not in ("text", "digits"):
-            raise ValueError(f"dataset must be 'text' or 'digits', got {self.dataset!r}")
-        if (self.dataset == "digits") != (mc.kind == "vit"):
-            raise ValueError(f"dataset={self.dataset!r} does not fit model kind {mc.kind!r} "
-                             "(text goes with gpt, digits with vit)")
-        if self.checkpoint not in CHECKPOINT_POLICIES:
-            raise ValueError(f"unknown checkpoint policy {self.checkpoint!r}; known: "
-                             f"{', '.join(CHECKPOINT_POLICIES)}")
-        if self.checkpoint == "every" and not 1 <= self.checkpoint_every <= mc.n_layers:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must satisfy 1 <= C <= "
-                             f"n_layers={mc.n_layers}")
-        check_optimizer_and_timeout(self)
+        from .validate import validate_run
+
+        validate_run(self, world_size)
         return self
 
 
-def check_optimizer_and_timeout(cfg) -> None:
-    """The fields every training config shares: ``lr`` > 0, ``weight_decay`` >= 0 (both
-    finite), ``seed`` >= 0 and ``timeout_s`` > 0.
-
-    Raises:
-        ValueError: naming the field and the value.
-    """
-    if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {cfg.lr!r}")
-    if not (isinstance(cfg.weight_decay, (int, float)) and math.isfinite(cfg.weight_decay)
-            and cfg.weight_decay >= 0):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay!r}")
-    if not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {cfg.seed!r}")
-    if cfg.timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {cfg.timeout_s}")
-
-
-#: mirrors labkit.parallel.checkpoint_policy.POLICIES (kept here so config needs no torch)
-CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
+
+
+def check_optimizer_and_timeout(cfg) -> None:
+    """``lr`` > 0, ``weight_decay`` >= 0, ``seed`` >= 0, ``timeout_s`` > 0 (PipelineConfig)."""
+    from .validate import _fields
+
+    _fields(RunConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
+                      timeout_s=cfg.timeout_s))

@@ -59,7 +59,8 @@ def all_reduce_demo(ctx, config=None) -> dict:
 
 
 def train(ctx, config: RunConfig) -> dict:
-    """Train ``config`` (a :class:`labkit.config.RunConfig`); see :func:`labkit.train.run`."""
+    """Train ``config`` (a :class:`labkit.config.RunConfig`): every parallelism its degrees
+    name, composed on one mesh; see :func:`labkit.train.run`."""
     from .train import run
 
     return run(ctx, config)

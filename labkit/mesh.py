@@ -165,8 +165,10 @@ class Mesh:
         fixed :data:`GROUP_ORDER`: what each pool rank creates before the job starts."""
         seen, out = set(), []
         for name in GROUP_ORDER:
+            # HSDP with one shard per replica group still needs its (one-rank) shard group
+            single = name == "fsdp" and self.dp_replicate > 1
             for g in self.groups(name):
-                if len(g) > 1 and g not in seen:
+                if (len(g) > 1 or single) and g not in seen:
                     seen.add(g)
                     out.append(g)
         return out

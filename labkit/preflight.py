@@ -44,8 +44,9 @@ def machine_memory_bytes() -> Optional[int]:
 PROCESS_BYTES = 350e6
 
 
-def check_world_size(n: int, field: str = "world_size") -> None:
-    """Refuse more CPU rank processes than ``MAX_RANKS_PER_CORE`` per core.
+def check_world_size(n: int, field: str = "world_size", shown: Optional[str] = None) -> None:
+    """Refuse more CPU rank processes than ``MAX_RANKS_PER_CORE`` per core. ``shown``
+    replaces ``field=n`` in the message (e.g. ``dp x pp = 2 x 32 = 64``).
 
     Raises:
         ValueError: e.g. ``pp=64 would start 64 rank processes on 2 CPU cores ...``.
@@ -53,7 +54,8 @@ def check_world_size(n: int, field: str = "world_size") -> None:
     cores = cpu_cores()
     limit = MAX_RANKS_PER_CORE * cores
     if n > limit:
-        raise ValueError(f"{field}={n} would start {n} rank processes on {cores} CPU cores; "
+        raise ValueError(f"{shown or f'{field}={n}'} would start {n} rank processes on "
+                         f"{cores} CPU cores; "
                          f"at most {MAX_RANKS_PER_CORE} per core ({limit}) run here, since "
                          "more would only time the sharing of the cores")
 
@@ -88,31 +90,40 @@ def check_model_state_fits(total_bytes: float, what: str, fraction: float = 0.9)
 
 
 def check_run_fits(cfg) -> None:
-    """A validated Run/Zero/PipelineConfig fits this machine: its rank count, and per rank
-    the larger of its model state (fp32 AdamW, 16 bytes per parameter, sharded by the ZeRO
-    stage or split over pipeline stages) and the whole fp32 model it builds first, plus
-    ``PROCESS_BYTES``, summed over the ranks within the memory available now. Activations
-    come on top and are not counted, so this refuses only what cannot fit.
+    """A validated :class:`~labkit.config.RunConfig` fits this machine: its ``cfg.mesh.size``
+    rank processes, and their memory summed within what is available now.
+
+    Per rank: the larger of the whole fp32 model every rank builds first (4 bytes per
+    parameter, before it keeps its pipeline stages and shards them) and its model state
+    once placed on the mesh — the pipeline stages (and tensor-parallel ranks) share the
+    model, ``Ψ / (pp · tp)`` parameters each, and ZeRO shards their state over the
+    ``dp_shard × cp`` shard group by its stage (:func:`labkit.plan.model_state_bytes`:
+    fp32 AdamW 4/4/8 bytes per parameter, bf16 with ZeRO 2/2/12) — plus
+    ``PROCESS_BYTES``. Activations come on top and are not counted, so this refuses only
+    what cannot fit.
 
     Raises:
-        ValueError: from :func:`check_world_size` or :func:`check_model_state_fits`.
+        ValueError: from :func:`check_world_size` (naming the degrees) or
+            :func:`check_model_state_fits`.
     """
-    from .models.gpt import count_params
+    mesh, mc, p = cfg.mesh, cfg.model_config, cfg.parallel
+    ranks = mesh.size
+    used = [(k, getattr(p, k)) for k in ("dp", "tp", "pp", "cp") if getattr(p, k) > 1]
+    if len(used) > 1:
+        shown = (f"{' x '.join(k for k, _ in used)} = {' x '.join(str(v) for _, v in used)}"
+                 f" = {ranks}")
+        check_world_size(ranks, shown=shown)
+    else:
+        check_world_size(ranks, used[0][0] if used else "world_size")
+    from .models.gpt import count_params  # torch: only once the rank count is fine
     from .plan.memory import model_state_bytes
 
-    run = getattr(cfg, "run", cfg)  # a ZeroConfig wraps its RunConfig
-    mc = cfg.model_config if hasattr(cfg, "schedule") else run.model_config
     psi = count_params(mc)
-    full = 4.0 * psi  # every rank builds the whole fp32 model before sharding or cutting it
-    if hasattr(cfg, "schedule"):  # pipeline: the stages share one model's state
-        ranks, field = cfg.pp, "pp"
-        per_rank = full + 16.0 * psi / ranks
-    else:
-        ranks, field = run.parallel.world_size, "dp"
-        per_rank = max(full, model_state_bytes(psi, run.parallel.dp,
-                                               getattr(cfg, "zero_stage", 0),
-                                               mixed_precision=False)["total"])
-    check_world_size(ranks, field)
+    share = psi / (mesh.pp * mesh.tp)
+    stage = cfg.zero_stage
+    state = model_state_bytes(share, mesh.degree("fsdp") if stage else 1, stage,
+                              mixed_precision=cfg.precision == "bf16" and stage > 0)["total"]
+    per_rank = max(4.0 * psi, state)
     check_model_state_fits(ranks * (per_rank + PROCESS_BYTES),
                            f"model {mc.name or 'custom'} ({mc.n_layers} layers, "
                            f"{psi / 1e6:,.1f}M parameters) on {ranks} rank(s)")

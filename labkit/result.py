@@ -1,4 +1,5 @@
-"""What a cluster run gives back: ``RunResult``, and ``RankError`` when a rank failed."""
+"""What a cluster run gives back: ``RunResult``; ``RankError`` when a rank failed,
+``JobCancelled`` when the caller interrupted it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from typing import Any
 
 from .trace import Trace
 
-__all__ = ["RunResult", "RankError"]
+__all__ = ["RunResult", "RankError", "JobCancelled"]
 
 
 class RankError(RuntimeError):
@@ -17,6 +18,18 @@ class RankError(RuntimeError):
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
         super().__init__(f"rank {rank} failed in job {job}: {last}\n\n"
                          f"--- remote traceback (rank {rank}) ---\n{remote_traceback}")
+
+
+class JobCancelled(KeyboardInterrupt):
+    """A kernel interrupt (Ctrl-C, Kernel ▸ Interrupt) cancelled a job or a pool start.
+
+    Still a ``KeyboardInterrupt``, so Run All stops here. What happened is one line: the
+    frames inside :mod:`labkit.cluster` (waiting on pipes) say nothing to the user, so
+    IPython, which asks an exception for ``_render_traceback_``, shows only the message.
+    """
+
+    def _render_traceback_(self) -> list:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 @dataclass

@@ -6,6 +6,12 @@ Every rank records two kinds of events on one clock:
 * every communication call made through :mod:`labkit.comm`, with the collective's name,
   algorithmic bytes sent and received, the mesh axis and the peers.
 
+A step that runs under extra instrumentation (the memory tracker makes its step several
+times slower) is *flagged*: :func:`flag_step` records a zero-length ``"mark"`` event with
+``args["instrumented"]``, and any event carrying that arg flags its step.
+:meth:`Trace.instrumented_steps` reads the flags back, so a timeline can say which steps
+are not representative instead of letting them pass for ordinary ones.
+
 The clock is ``time.perf_counter()``: on Linux it reads ``CLOCK_MONOTONIC``, which all
 processes of one machine share, so events of a local cluster line up without correction.
 Under ``torchrun`` across nodes each rank passes an offset measured at a barrier (see
@@ -21,9 +27,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator, Optional
 
-__all__ = ["Event", "Tracer", "Trace", "current_tracer", "use_tracer", "region"]
+__all__ = ["Event", "Tracer", "Trace", "current_tracer", "use_tracer", "region", "flag_step"]
 
 COMPUTE, COMM, P2P = "compute", "comm", "p2p"
+#: zero-length annotations (e.g. "this step is instrumented"), not spans of work
+MARK = "mark"
 
 
 @dataclass
@@ -33,7 +41,8 @@ class Event:
     Attributes:
         rank: the global rank that recorded it.
         name: what ran, e.g. ``"forward"``, ``"layers.1.backward"``, ``"all_reduce"``.
-        cat: ``"compute"``, ``"comm"`` (collective) or ``"p2p"`` (send/recv).
+        cat: ``"compute"``, ``"comm"`` (collective), ``"p2p"`` (send/recv) or ``"mark"``
+            (a zero-length annotation, see :func:`flag_step`).
         start, end: seconds on the shared clock.
         step: training step the event belongs to (-1 outside a step).
         op: collective or point-to-point op (``"all_reduce"``, ``"send"`` …).
@@ -103,6 +112,14 @@ class Tracer:
             event.step = self.step if event.step == -1 else event.step
             self.events.append(event)
 
+    def flag_step(self, instrumented: str, **args) -> None:
+        """Flag the current step as run under ``instrumented`` (e.g. ``"memory"``): a
+        zero-length ``"mark"`` event with ``args["instrumented"]``. Views show such a step
+        as not representative of step time."""
+        now = self.now()
+        self.record(Event(self.rank, f"instrumented: {instrumented}", MARK, now, now,
+                          args={"instrumented": instrumented, **args}))
+
 
 def _cuda_sync(device):
     import torch
@@ -142,6 +159,13 @@ def region(name: str, cat: str = COMPUTE, **args) -> Iterator[None]:
             yield
 
 
+def flag_step(instrumented: str, **args) -> None:
+    """``current_tracer().flag_step(...)``, or nothing outside a traced job."""
+    tracer = _current.get()
+    if tracer is not None:
+        tracer.flag_step(instrumented, **args)
+
+
 class Trace:
     """The events of all ranks of one run, merged and sorted by start time.
 
@@ -167,6 +191,16 @@ class Trace:
                 if (rank is None or e.rank == rank) and (cat is None or e.cat == cat)
                 and (op is None or e.op == op) and (step is None or e.step == step)
                 and (name is None or e.name == name)]
+
+    def instrumented_steps(self) -> dict:
+        """``{step: what}`` for the steps flagged as instrumented (see :func:`flag_step`):
+        any event whose ``args`` has ``"instrumented"`` flags its step."""
+        out: dict = {}
+        for e in self.events:
+            what = (e.args or {}).get("instrumented")
+            if what and e.step >= 0:
+                out.setdefault(e.step, str(what))
+        return out
 
     def comm_bytes(self, rank: int, op=None, step=None, direction: str = "sent") -> float:
         """Bytes ``rank`` sent (or received) through labkit.comm, optionally per op/step."""
@@ -227,6 +261,10 @@ class Trace:
                             "args": {"name": label}})
         for e in self.events:
             args = {"step": e.step, **{k: _jsonable(v) for k, v in e.args.items()}}
+            if e.cat == MARK:  # an instant event on the rank's compute thread
+                out.append({"ph": "i", "s": "t", "name": e.name, "cat": e.cat, "pid": e.rank,
+                            "tid": 0, "ts": (e.start - self.t0) * 1e6, "args": args})
+                continue
             if e.op:
                 args.update(op=e.op, bytes_sent=e.bytes_sent, bytes_recv=e.bytes_recv,
                             axis=e.axis, peers=list(e.peers))

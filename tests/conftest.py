@@ -276,7 +276,9 @@ def _cluster(world_size: int):
     import labkit
 
     torch.set_num_threads(1)  # the caller computes references; leave cores to the ranks
-    c = labkit.Cluster(world_size, backend="gloo", device="cpu")
+    # replace=False: a test that starts its own Cluster of the same size must not stop
+    # the shared pool (nor be stopped by it)
+    c = labkit.Cluster(world_size, backend="gloo", device="cpu", replace=False)
     try:
         yield c
     finally:
@@ -293,3 +295,9 @@ def cluster4():
 def cluster2():
     """A warm 2-rank gloo cluster shared by the tests that need one."""
     yield from _cluster(2)
+
+
+@pytest.fixture(scope="session")
+def cluster8():
+    """A warm 8-rank gloo cluster for the N-D compositions that need 2x2x2 ranks."""
+    yield from _cluster(8)

@@ -55,6 +55,13 @@ def mean_of_two_rows_gradient() -> dict:
 
 def rank_peak(ctx, cfg=None) -> float:
     """This rank's CPU peak FLOP/s as the training jobs compute it."""
-    from labkit.measure.cpu_peak import rank_peak_flops
+    from labkit.measure.rank_peak import rank_peak_flops
 
     return rank_peak_flops(ctx)
+
+
+def group_count(ctx, cfg=None) -> dict:
+    """How many process groups this rank has: labkit's cache and torch's own registry."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return {"labkit_groups": len(ctx.groups), "torch_groups": len(c10d._world.pg_names)}

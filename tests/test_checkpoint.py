@@ -16,9 +16,9 @@ from labkit.measure.mfu import hardware_generation, mfu, roofline_mfu
 from labkit.models import build_model
 from labkit.parallel.checkpoint import (BIG_O, STRATEGIES, Action, Counts, formula_counts,
                                         make_schedule, simulate, sqrt_every)
-from labkit.parallel.checkpoint_exec import run_schedule
-from labkit.parallel.checkpoint_policy import POLICIES, apply_checkpoint_policy
-from labkit.parallel.checkpoint_jobs import (CheckpointRunConfig, adjusted_layer_bytes,
+from labkit.parallel.checkpoint.exec import run_schedule
+from labkit.parallel.checkpoint.policy import POLICIES, apply_checkpoint_policy
+from labkit.parallel.checkpoint.jobs import (CheckpointRunConfig, adjusted_layer_bytes,
                                              korthikanti_layer_bytes, layer_terms,
                                              measure_layer_activations, measure_policy,
                                              train_policy)

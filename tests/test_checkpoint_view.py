@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from labkit.parallel.checkpoint import formula_counts, make_schedule
-from labkit.parallel.checkpoint_exec import run_schedule
+from labkit.parallel.checkpoint.exec import run_schedule
 
 
 @pytest.fixture

@@ -94,15 +94,15 @@ def test_unimportable_job_refused_before_launch(cluster2):
 def test_config_of_the_wrong_class_refused_before_launch(cluster2):
     """The job's annotated config class is checked in the caller, before the ranks get the
     job; the pool stays usable."""
+    from labkit.collectives.jobs import collective
     from labkit.config import RunConfig
-    from labkit.parallel.pipeline.jobs import pipeline_train
     from labkit.train import run as train
 
     cluster = cluster2
     with pytest.raises(TypeError, match=r"labkit.train.run takes a RunConfig .* got NoneType"):
         cluster.run(train, None)
-    with pytest.raises(TypeError, match="takes a PipelineConfig as its config, got RunConfig"):
-        cluster.run(pipeline_train, RunConfig())
+    with pytest.raises(TypeError, match="takes a CollectiveConfig as its config, got RunConfig"):
+        cluster.run(collective, RunConfig())
     with pytest.raises(TypeError, match="got int"):
         cluster.run("labkit.train:run", 3)
     for bad in (None, {}, "train"):  # labkit.jobs.train, the README's first job, too

@@ -82,8 +82,11 @@ def test_without_a_cluster_it_shows_a_given_run(cluster4):
 
     run = jobs.run(cluster4, "broadcast", "tree", 4, root=1)
     v = CollectiveView(None)
-    assert "no cluster" in v.status.value or v.recording is None
+    assert v.recording is None and v.status.value == ""  # nothing ran, nothing claimed
+    v.rerun()
+    assert "no cluster" in v.status.value and v.recording is None
     v.update(run)
+    assert "no cluster" not in v.status.value
     assert v.recording.steps == 2 and [list(r) for r in _state(v).text] == [["10, 11, 12, 13"]] * 4
     v.update(run.recording)
     assert "broadcast" in v.fig.layout.title.text and "CollectiveView(" in repr(v)

@@ -23,15 +23,7 @@ from labkit.collectives.record import Move, Recording
 KiB = 1024
 
 
-@pytest.fixture(scope="module")
-def cluster8():
-    """A warm 8-rank gloo cluster; smaller world sizes run on its first N ranks."""
-    torch.set_num_threads(1)
-    c = labkit.Cluster(8, backend="gloo", device="cpu", threads_per_rank=1)
-    try:
-        yield c
-    finally:
-        c.close()
+# cluster8 (conftest.py): one warm 8-rank pool; smaller world sizes run on its first N ranks
 
 
 # --------------------------------------------------------------------------- pure

@@ -1,4 +1,5 @@
 """labkit.measure: FLOP counting, peaks, MFU and memory by category (tiny, CPU only)."""
+import dataclasses
 import math
 import time
 
@@ -102,6 +103,23 @@ def test_counted_training_flops_equal_the_analytic_formula():  # claim C21
     counted = count_flops(lambda: m(idx).float().logsumexp(-1).mean().backward()).total
     per_token = transformer_flops_per_token(c)  # torch does not discount is_causal
     assert counted == per_token["total"] * 2 * c.seq_len
+
+
+@pytest.mark.parametrize("preset,untied", [("tiny", False), ("small", False), ("small", True)])
+def test_real_gpt_counted_flops_equal_the_non_causal_formula_exactly(preset, untied):
+    """labkit's GPT (GQA in "small", tied or untied head): torch's counter (with the CPU
+    SDPA formula registered) counts the attention scores of the full S×S square, so a
+    forward+backward is exactly the non-causal formula per token × tokens — not the causal
+    one, which is what a causal kernel could skip."""
+    from labkit.models import build_model
+
+    c = dataclasses.replace(PRESETS[preset], tie_embeddings=not untied)
+    m = build_model(c, seed=0)
+    idx = torch.randint(0, c.vocab_size, (2, c.seq_len), generator=torch.Generator().manual_seed(0))
+    counted = count_flops(lambda: m(idx, idx).backward()).total
+    tokens = 2 * c.seq_len
+    assert counted == transformer_flops_per_token(c, causal=False)["total"] * tokens
+    assert counted > transformer_flops_per_token(c, causal=True)["total"] * tokens
 
 
 # ------------------------------------------------------------------------------------- peaks

@@ -139,7 +139,7 @@ def test_timeline_compute_comm_and_step_filter(cluster):
     assert len(t["all-reduce"].x) == 6
     assert sorted(t["all-reduce"].y) == pytest.approx([COMM_OFFSET] * 3 + [1 + COMM_OFFSET] * 3)
     assert {y for y in t["forward"].y} == {0, 1}
-    assert [v for _, v in tv.step_selector.options] == [None, 0, 1, 2]
+    assert [v for _, v in tv.step_selector.options] == ["all", 0, 1, 2]
     all_x = list(t["backward"].x)
     tv.step_selector.value = 1  # the observe path
     t = _traces(tv.fig)

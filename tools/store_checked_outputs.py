@@ -28,6 +28,7 @@ def store(path: Path, timeout_s: int = 600) -> int:
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
+        cell.metadata.pop("execution", None)  # run timestamps: noise in every diff
         if MARK in cell.source:
             cell.outputs = [o for o in cell.outputs if o.get("output_type") == "stream"]
             kept += 1

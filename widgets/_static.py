@@ -6,6 +6,17 @@ import plotly.graph_objects as go
 from . import _style as S
 
 
+def live(fig: go.Figure) -> go.FigureWidget:
+    """A ``FigureWidget`` whose first state is ``fig`` as drawn now.
+
+    Views draw their first run into a plain ``go.Figure`` and wrap it only then, so the data
+    travels in the state the widget is created with. plotly's front end applies later edits
+    in listeners it registers when its module has loaded, and edits that reach the browser
+    before that are not applied to the figure it first draws.
+    """
+    return go.FigureWidget(fig)
+
+
 class StaticFigure:
     """Mixin for an ipywidgets container that owns one ``go.FigureWidget`` as ``self.fig``.
 

@@ -34,6 +34,19 @@ MEMORY_COLORS = {"parameters": "#4C78A8", "gradients": "#F58518", "optimizer": "
 
 ERROR_RED, OK_GREEN, MUTED = "#C0392B", "#2E7D32", "#555555"
 
+#: background of a step run under extra instrumentation (e.g. the memory tracker)
+INSTRUMENTED_COLOR = "#FFE08A"
+
+#: what prose may call each colour above. Notebooks name colours ("the mauve all-reduce
+#: bars"); tests/test_notebook_prose.py holds every named colour against the legend entry
+#: it describes, so a palette change that leaves the prose behind fails a test.
+COLOR_NAMES = {"#4C78A8": ("blue",), "#F58518": ("orange",), "#54A24B": ("green",),
+               "#9D9D9D": ("grey", "gray"), "#B279A2": ("mauve", "purple"),
+               "#E45756": ("red",), "#72B7B2": ("teal",), "#EECA3B": ("yellow",),
+               "#FF9DA6": ("pink",), "#9D755D": ("brown",), "#17BECF": ("cyan",),
+               "#BAB0AC": ("light grey", "light gray", "grey", "gray"),
+               "#3B3B3B": ("near-black", "black", "dark grey", "dark gray")}
+
 
 def compute_family(name: str) -> str:
     """``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"`` for a region name.

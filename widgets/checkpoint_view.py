@@ -1,7 +1,7 @@
 """``CheckpointView``: a checkpoint schedule, run for real and replayed step by step.
 
 The schedule (:mod:`labkit.parallel.checkpoint`) is executed on a real layer stack by
-:func:`labkit.parallel.checkpoint_exec.run_schedule`; what the view animates is that run's
+:func:`labkit.parallel.checkpoint.exec.run_schedule`; what the view animates is that run's
 record — after every action, which stored tensors were alive (from the saved-tensor hooks) and
 how many bytes they held. Nothing is drawn from a script.
 
@@ -16,7 +16,11 @@ One ``FigureWidget`` with two panels:
   peak.
 
 Controls: N (layers), strategy, C (layers per checkpoint/segment; used by "every" and
-"segment") re-run the schedule; ``Play`` steps through it. ``.figure()`` is a static snapshot.
+"segment") re-run the schedule; ``Play`` steps through it. For the strategies that fix C
+themselves (``sqrt``: ⌈√N⌉, ``full``: N) the greyed C slider shows the C they use, and your
+own C comes back when you switch to ``every`` or ``segment``. ``.figure()`` is a static
+snapshot. At large N the chain's tick labels thin out and its squares shrink so that every
+number stays readable.
 """
 from __future__ import annotations
 
@@ -27,10 +31,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.parallel.checkpoint import STRATEGIES, Schedule, formula_counts, make_schedule
-from labkit.parallel.checkpoint_exec import ExecResult, run_schedule
+from labkit.parallel.checkpoint.exec import ExecResult, run_schedule
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
 __all__ = ["CheckpointView", "OP_COLORS"]
 
@@ -47,6 +51,14 @@ def _op(code: str) -> str:
 
 def _layer_of(code: str) -> int:
     return int("".join(ch for ch in code[1:] if ch.isdigit()))
+
+
+def chain_ticks(n: int) -> tuple:
+    """``(dtick, marker size)`` for a chain of ``n`` layers: at most ~17 tick labels and
+    squares that do not run into each other in an ~800 px wide plot."""
+    dtick = next(d for d in (1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 50, 64, 100)
+                 if (n + 1) / d <= 17) if n < 1600 else max(1, n // 16)
+    return dtick, max(4, min(14, int(560 / (n + 1))))
 
 
 def _base_figure() -> go.Figure:
@@ -96,7 +108,8 @@ class CheckpointView(StaticFigure, W.VBox):
     Attributes:
         controls: ``n_layers`` / ``strategy`` / ``every`` widgets; ``play`` (``W.Play``) and
             ``step`` (``W.IntSlider``) linked together; ``status`` (``W.HTML``).
-        fig: the ``go.FigureWidget``; ``result``: the :class:`ExecResult` on display.
+        fig: the ``go.FigureWidget`` (created from the first drawn schedule);
+            ``result``: the :class:`ExecResult` on display.
     """
 
     def __init__(self, n_layers: int = 8, strategy: str = "sqrt", every: int = 2, *,
@@ -105,32 +118,38 @@ class CheckpointView(StaticFigure, W.VBox):
         super().__init__(**kwargs)
         self.batch, self.hidden, self.result = batch, hidden, None
         self._quiet = False
-        opts = dict(continuous_update=False, style={"description_width": "60px"})
+        opts = dict(continuous_update=False, style={"description_width": "24px"})
         n_opts = sorted(set(N_OPTIONS) | {int(n_layers)})
+        self._user_every = min(max(1, int(every)), int(n_layers))
         self.controls = {
             "n_layers": W.SelectionSlider(options=n_opts, value=int(n_layers), description="N",
-                                          **opts),
+                                          tooltip="layers in the chain", **opts),
             "strategy": W.Dropdown(options=list(STRATEGIES), value=strategy,
-                                   description="strategy"),
-            "every": W.IntSlider(min=1, max=int(n_layers), value=min(max(1, every), n_layers),
-                                 description="C", **opts)}
+                                   description="strategy", tooltip="checkpointing strategy",
+                                   style={"description_width": "60px"},
+                                   layout=W.Layout(width="200px")),
+            "every": W.IntSlider(min=1, max=int(n_layers), value=self._user_every,
+                                 description="C", tooltip="layers per checkpoint or segment "
+                                 "(every, segment; sqrt and full fix their own)", **opts)}
         self.play = W.Play(min=0, max=0, value=0, step=1, interval=interval_ms,
                            description="play")
         self.step = W.IntSlider(min=0, max=0, value=0, description="step",
-                                style={"description_width": "60px"},
+                                tooltip="action of the schedule to show",
+                                style={"description_width": "40px"},
                                 layout=W.Layout(width="420px"))
         W.link((self.play, "value"), (self.step, "value"))
         self.status = W.HTML(S.status_html("ready"))
-        self.fig = go.FigureWidget(_base_figure())
+        self.fig = _base_figure()
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.step.observe(self._on_step, names="value")
-        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.step]),
-                         self.status, self.fig]
         if schedule is not None:
             self.update(schedule)
         else:
             self.rerun()
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
+        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.step]),
+                         self.status, self.fig]
 
     # -- running -------------------------------------------------------------------
     def set(self, **values) -> "CheckpointView":
@@ -146,6 +165,8 @@ class CheckpointView(StaticFigure, W.VBox):
             for k in ("strategy", "every"):
                 if k in values:
                     self.controls[k].value = values[k]
+            if "every" in values:
+                self._user_every = int(values["every"])
         finally:
             self._quiet = False
         return self.rerun()
@@ -158,10 +179,12 @@ class CheckpointView(StaticFigure, W.VBox):
             self.controls["every"].max = n  # clamps C to N
         finally:
             self._quiet = False
-        strategy, every = self.controls["strategy"].value, self.controls["every"].value
-        self.controls["every"].disabled = strategy not in ("every", "segment")
+        strategy = self.controls["strategy"].value
+        own_c = strategy in ("every", "segment")
+        self.controls["every"].disabled = not own_c
+        every = min(self._user_every, n)
         try:
-            sched = make_schedule(strategy, n, every)
+            sched = make_schedule(strategy, n, every if own_c else None)
         except ValueError as exc:
             self.status.value = S.status_html(str(exc), "error")
             return self
@@ -181,7 +204,8 @@ class CheckpointView(StaticFigure, W.VBox):
             c["n_layers"].value = sched.n_layers
             c["every"].max = sched.n_layers
             c["strategy"].value = sched.strategy
-            if sched.strategy in ("every", "segment"):
+            c["every"].disabled = sched.strategy not in ("every", "segment")
+            if sched.every is not None:  # greyed for sqrt/full: the C they use
                 c["every"].value = sched.every
             last = len(res.steps) - 1
             self.play.max = self.step.max = last
@@ -218,13 +242,20 @@ class CheckpointView(StaticFigure, W.VBox):
                 x, y, t = by_op[op]
                 self.fig.data[3 + i].update(x=x, y=y, text=t)
             self.fig.data[7].update(x=[0, max(len(xs) - 1, 1)], y=[formula_peak] * 2)
+            dtick, size = chain_ticks(n)
             self.fig.layout.xaxis.range = [-0.7, n + 0.7]
+            self.fig.layout.xaxis.dtick = dtick
+            self.fig.data[0].marker.size = size
+            self.fig.data[1].marker.size = max(size, 8)
             self.fig.layout.title.text = (f"{res.schedule.strategy}: N = {n}, "
                                           f"{len(xs)} actions")
 
-    def _on_control(self, _change) -> None:
-        if not self._quiet:
-            self.rerun()
+    def _on_control(self, change) -> None:
+        if self._quiet:
+            return
+        if change["owner"] is self.controls["every"]:
+            self._user_every = int(change["new"])
+        self.rerun()
 
     def _on_step(self, change) -> None:
         if not self._quiet:

@@ -23,7 +23,8 @@ from labkit.collectives import ALGORITHMS, HAND_BUILT, OPS, formula_text
 from labkit.collectives.record import Recording
 
 from . import _style as S
-from ._static import StaticFigure
+from ._pool import prepare
+from ._static import StaticFigure, live
 
 __all__ = ["CollectiveView", "collective_frame"]
 
@@ -46,6 +47,40 @@ def _origin_scale(n: int) -> list:
         c = _PALETTE[r % len(_PALETTE)]
         scale += [[r / n, c], [(r + 1) / n, c]]
     return scale
+
+
+def arrow_offsets(segments: list, width: float = 0.7) -> list:
+    """Horizontal offsets (in chunk columns) that keep vertical arrows apart.
+
+    ``segments`` are ``(x0, y0, x1, y1)``. Arrows inside one column (``x0 == x1``) whose
+    row spans overlap — 0→2 beside 1→3 in a binomial tree or recursive doubling, or the
+    two directions of one exchange — would be drawn on top of each other; each gets its
+    own lane, the lanes spread over ``width`` of the column. Other arrows stay centred.
+    """
+    out = [0.0] * len(segments)
+    columns: dict = {}
+    for i, (x0, y0, x1, y1) in enumerate(segments):
+        if x0 == x1:
+            columns.setdefault(x0, []).append(i)
+    for idx in columns.values():
+        lanes: list = []  # per lane: the (lo, hi) row spans already in it
+        lane_of = {}
+        for i in sorted(idx, key=lambda i: (min(segments[i][1], segments[i][3]),
+                                            segments[i][1])):
+            lo, hi = sorted((segments[i][1], segments[i][3]))
+            for k, spans in enumerate(lanes):
+                if all(hi <= a or lo >= b for a, b in spans):
+                    spans.append((lo, hi))
+                    lane_of[i] = k
+                    break
+            else:
+                lanes.append([(lo, hi)])
+                lane_of[i] = len(lanes) - 1
+        if len(lanes) > 1:
+            gap = width / (len(lanes) - 1)
+            for i, k in lane_of.items():
+                out[i] = -width / 2 + k * gap
+    return out
 
 
 def collective_frame(rec: Recording, step: int, transpose: bool = False) -> dict:
@@ -75,11 +110,12 @@ def collective_frame(rec: Recording, step: int, transpose: bool = False) -> dict
              "z": [[z_of(contrib[r][i], r) for i in range(c)] for r in range(n)],
              "text": [[_text(v) for v in rec.snapshots[step][r]] for r in range(n)]}
     arrows = []
-    for m in ([] if transpose else rec.moves_at(step)):
-        if m.kind == "local":
-            continue
-        ax = x_in[m.src_chunk] if m.from_input else x_out[m.src_chunk]
-        arrows.append(dict(x=x_out[m.chunk], y=m.dst, ax=ax, ay=m.src, xref="x", yref="y",
+    moves = [m for m in ([] if transpose else rec.moves_at(step)) if m.kind != "local"]
+    ends = [((x_in[m.src_chunk] if m.from_input else x_out[m.src_chunk]), x_out[m.chunk])
+            for m in moves]
+    shift = arrow_offsets([(ax, m.src, x, m.dst) for m, (ax, x) in zip(moves, ends)])
+    for m, (ax, x), dx in zip(moves, ends, shift):
+        arrows.append(dict(x=x + dx, y=m.dst, ax=ax + dx, ay=m.src, xref="x", yref="y",
                            axref="x", ayref="y", showarrow=True, arrowhead=3, arrowsize=1.3,
                            arrowwidth=2, standoff=10, startstandoff=10, text="",
                            arrowcolor="#C0392B" if m.kind == "reduce" else "#333333"))
@@ -115,10 +151,10 @@ def collective_frame(rec: Recording, step: int, transpose: bool = False) -> dict
     return {"inputs": inputs, "state": state, "annotations": labels + arrows, "layout": layout}
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     common = dict(coloraxis="coloraxis", xgap=3, ygap=3, texttemplate="%{text}",
                   textfont=dict(size=11), hoverinfo="text", x=[], y=[], z=[], text=[])
-    return go.FigureWidget(
+    return go.Figure(
         data=[go.Heatmap(name="inputs", **common), go.Heatmap(name="state", **common)],
         layout=dict(template="plotly_white", plot_bgcolor="#EEEEEE", height=300,
                     margin=dict(l=70, r=20, t=70, b=30), title=dict(text="no run yet",
@@ -137,6 +173,7 @@ class CollectiveView(StaticFigure, W.VBox):
         op, algorithm, n: what to run first; ``algorithm=None`` picks the op's hand-built
             one; ``n=None`` all of the cluster's ranks.
         run: run at once (default True when a cluster is given).
+        transpose: start in the transpose view (all-to-all only).
         **run_kwargs: passed to :func:`labkit.collectives.jobs.run` (``inputs``,
             ``dtype``, ``reduce``, ``root``, ``m``).
 
@@ -147,21 +184,28 @@ class CollectiveView(StaticFigure, W.VBox):
     """
 
     def __init__(self, cluster=None, op: str = "all_reduce", algorithm: Optional[str] = None,
-                 n: Optional[int] = None, run: Optional[bool] = None, **run_kwargs):
+                 n: Optional[int] = None, run: Optional[bool] = None, transpose: bool = False,
+                 **run_kwargs):
         super().__init__()
         self.cluster, self.run_kwargs = cluster, run_kwargs
         self.result, self.recording, self._quiet = None, None, False
         max_n = cluster.world_size if cluster is not None else 8
         n = max_n if n is None else n
-        lay = W.Layout(width="230px")
-        self.op = W.Dropdown(options=list(OPS), value=op, description="op", layout=lay)
+        short = {"description_width": "36px"}  # labels fit; the default 80 px clips none
+        self.op = W.Dropdown(options=list(OPS), value=op, description="op", style=short,
+                             tooltip="the collective to run",
+                             layout=W.Layout(width="200px"))
         self.algorithm = W.Dropdown(options=list(ALGORITHMS[op]),
                                     value=algorithm or HAND_BUILT[op], description="algorithm",
-                                    layout=W.Layout(width="270px"))
-        self.n = W.IntSlider(value=n, min=2, max=max(max_n, 2), description="N",
-                             continuous_update=False, layout=lay)
-        self.step = W.IntSlider(value=0, min=0, max=0, description="step",
-                                continuous_update=False, layout=W.Layout(width="320px"))
+                                    tooltip="native (torch.distributed) or hand-built",
+                                    style={"description_width": "68px"},
+                                    layout=W.Layout(width="260px"))
+        self.n = W.IntSlider(value=n, min=2, max=max(max_n, 2), description="N", style=short,
+                             tooltip="ranks taking part",
+                             continuous_update=False, layout=W.Layout(width="220px"))
+        self.step = W.IntSlider(value=0, min=0, max=0, description="step", style=short,
+                                tooltip="round of messages to show",
+                                continuous_update=False, layout=W.Layout(width="300px"))
         self.play = W.Play(value=0, min=0, max=0, interval=900, description="play")
         W.link((self.play, "value"), (self.step, "value"))
         W.link((self.play, "max"), (self.step, "max"))
@@ -170,7 +214,8 @@ class CollectiveView(StaticFigure, W.VBox):
         self.prev_button.on_click(lambda _b: self._nudge(-1))
         self.next_button.on_click(lambda _b: self._nudge(+1))
         self.transpose = W.Checkbox(value=False, description="transpose view",
-                                    indent=False, layout=W.Layout(width="140px"))
+                                    tooltip="inputs beside the final outputs",
+                                    indent=False, layout=W.Layout(width="150px"))
         self.status = W.HTML()
         self.info = W.HTML()
         self.fig = _base_figure()
@@ -178,13 +223,16 @@ class CollectiveView(StaticFigure, W.VBox):
             w.observe(self._on_config, names="value")
         self.step.observe(lambda _c: self._redraw(), names="value")
         self.transpose.observe(lambda _c: self._redraw(), names="value")
+        self._sync_transpose()
+        if transpose and op == "all_to_all":
+            self.transpose.value = True
+        if run if run is not None else cluster is not None:
+            self.rerun()
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
         self.children = [W.HBox([self.op, self.algorithm, self.n]),
                          W.HBox([self.play, self.prev_button, self.step, self.next_button,
                                  self.transpose]),
                          self.status, self.fig, self.info]
-        self._sync_transpose()
-        if run if run is not None else cluster is not None:
-            self.rerun()
 
     # -- controls ------------------------------------------------------------------
     def set(self, **values) -> "CollectiveView":
@@ -242,15 +290,18 @@ class CollectiveView(StaticFigure, W.VBox):
             return
         from labkit.collectives import jobs
 
-        self.status.value = S.status_html(f"running {self.op.value} ({self.algorithm.value}) "
-                                          f"on {self.n.value} ranks …", "busy")
         try:
-            result = jobs.run(self.cluster, self.op.value, self.algorithm.value, self.n.value,
+            cluster, note = prepare(self.cluster, self.status,
+                                    f"running {self.op.value} ({self.algorithm.value}) on "
+                                    f"{self.n.value} ranks …")
+            result = jobs.run(cluster, self.op.value, self.algorithm.value, self.n.value,
                               **self.run_kwargs)
         except Exception as exc:  # noqa: BLE001 - shown in the widget, not raised
             self.status.value = S.status_html(f"{type(exc).__name__}: {exc}", "error")
             return
         self.update(result)
+        if note:
+            self.status.value = S.status_html(f"{self._summary()} ({note})", "ok")
 
     def update(self, run) -> "CollectiveView":
         """Show a ``CollectiveRun`` (from :func:`labkit.collectives.jobs.run`) or a bare
@@ -275,7 +326,7 @@ class CollectiveView(StaticFigure, W.VBox):
         sent = ", ".join(S.fmt_bytes(b) for b in r.bytes_sent)
         ok = "= formula" if r.bytes_match else "≠ formula!"
         return (f"{r.config.op} · {r.config.algorithm} · N={n} · S = {S.fmt_bytes(r.message_bytes)}"
-                f" · sent per rank [{sent}] {ok} ({formula_text(r.config.op, r.config.algorithm)})"
+                f" · sent per rank [{sent}] {ok} ({formula_text(r.config.op, r.config.algorithm, n)})"
                 f" · {r.time_s * 1e3:.2f} ms")
 
     # -- drawing -------------------------------------------------------------------

@@ -4,10 +4,18 @@ Each rank gets a row: compute spans (forward, backward, optimizer, other) on the
 and communication spans (all-reduce, all-gather, send/recv …) on a thinner lane just below
 it, so a gradient all-reduce running under backward shows as two overlapping bars. Time the
 compute thread sat *blocked* on a collective (trace events of category ``"wait"``, e.g.
-FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.fsdp`) is drawn as a
+FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.zero.fsdp`) is drawn as a
 narrower dark "blocked" bar on top of the compute row: the part of the span not hidden.
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
-name, step, op, the algorithmic bytes it sent and received, and its duration.
+name, step, op, the algorithmic bytes it sent and received, and its duration. Consecutive
+calls in one communication lane alternate in shade, so twenty back-to-back all-reduces read
+as twenty bars, not one.
+
+The step selector shows one step at a time; the title gives that step's own length (first
+start to last end of its events). A step the job flagged as instrumented
+(:func:`labkit.trace.flag_step`; the memory tracker flags the step it measures, which runs
+several times slower) is shaded and labelled in the figure and named in the selector, so
+its long spans are not mistaken for the step time.
 
 The figure has a fixed set of traces — one per compute family and one per comm op family —
 whatever the run, so thousands of events cost a few arrays, not thousands of traces, and
@@ -20,12 +28,17 @@ from typing import Optional, Union
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from labkit.trace import COMPUTE, Trace
+from labkit.trace import COMPUTE, MARK, Trace
 
 from . import _style as S
-from ._static import StaticFigure
+from ._static import StaticFigure, live
 
-__all__ = ["TimelineView", "timeline_traces"]
+__all__ = ["TimelineView", "timeline_traces", "ALL_STEPS"]
+
+#: the step selector's value for "all steps" (``None`` would leave the dropdown blank)
+ALL_STEPS = "all"
+#: shade of every other call in a communication lane
+_ALT_OPACITY = 0.55
 
 #: the comm lane sits this far below its rank's compute lane (rank rows are 1 apart)
 COMM_OFFSET = 0.42
@@ -76,18 +89,29 @@ def _family(e) -> tuple:
     return ("comm", S.comm_family(e.op))
 
 
+def _legend_height(cols) -> int:
+    """Pixels the vertical legend needs: one row per shown family, one per group title."""
+    shown = [fam for fam, c in zip(_FAMILIES, cols) if c["showlegend"]]
+    groups = {("compute" if k == "blocked" else k) for k, _ in shown}
+    return 21 * len(shown) + 24 * len(groups)
+
+
 def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict], dict]:
     """The bar data for ``trace`` (only ``step``'s events when given).
 
     Returns ``(per_trace, layout)``: one ``{x, y, base, customdata, showlegend}`` dict per
-    family in :data:`_FAMILIES` order, and the y-axis / title layout for the ranks present.
+    family in :data:`_FAMILIES` order (communication families also carry a per-bar
+    ``marker.opacity`` alternating along each lane), and the layout for the ranks present:
+    y-axis ticks, a title with the shown step's own length, the x range, shaded windows
+    (``shapes``/``annotations``) for instrumented steps, and a height that fits the legend.
     Pure data: no widget is touched, so it is cheap to test.
     """
     ranks = trace.ranks
     row = {r: i for i, r in enumerate(ranks)}
     index = {fam: i for i, fam in enumerate(_FAMILIES)}
     cols = [{"x": [], "y": [], "base": [], "customdata": []} for _ in _FAMILIES]
-    events = trace.events if step is None else [e for e in trace.events if e.step == step]
+    drawn = [e for e in trace.events if e.cat != MARK]
+    events = drawn if step is None else [e for e in drawn if e.step == step]
     # longest first inside a trace, so nested regions (layers.1.backward in backward) and
     # short collectives draw on top of the spans that contain them
     for e in sorted(events, key=lambda e: -e.duration):
@@ -105,20 +129,72 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
         col["customdata"].append([e.name, e.step, extra[0], S.fmt_bytes(e.bytes_sent),
                                   S.fmt_bytes(e.bytes_recv), dur_ms, start_ms, e.rank,
                                   extra[1]])
-    for c in cols:
+    for (kind, _fam), c in zip(_FAMILIES, cols):
         c["showlegend"] = bool(c["x"])
+        if kind == "comm":
+            c["marker.opacity"] = _alternating(c)
     tickvals, ticktext = [], []
     for r, i in row.items():
         tickvals += [i, i + COMM_OFFSET]
         ticktext += [f"rank {r}", "comm"]
-    span = (max(e.end for e in events) - trace.t0) * 1e3 if events else 0.0
-    what = "all steps" if step is None else f"step {step}"
-    title = (f"{len(events)} events on {len(ranks)} rank(s), {what}, {span:.1f} ms"
-             if events else "no events recorded")
+    flagged = trace.instrumented_steps()
     layout = {"yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext,
               "yaxis.range": [len(ranks) - 1 + COMM_OFFSET + 0.4, -0.5] if ranks else [1, -1],
-              "title.text": title, "height": 140 + 70 * max(len(ranks), 1)}
+              "title.text": _title(events, ranks, trace, step, flagged),
+              "height": max(140 + 70 * max(len(ranks), 1), 90 + _legend_height(cols)),
+              "shapes": [], "annotations": [], "xaxis.autorange": True}
+    if events and step is not None:  # the step fills the width
+        lo = (min(e.start for e in events) - trace.t0) * 1e3
+        hi = (max(e.end for e in events) - trace.t0) * 1e3
+        pad = 0.02 * max(hi - lo, 1e-3)
+        layout.update({"xaxis.autorange": False, "xaxis.range": [lo - pad, hi + pad]})
+    for s, what in sorted(flagged.items()):
+        span = [e for e in drawn if e.step == s]
+        if not span or (step is not None and step != s):
+            continue
+        x0 = (min(e.start for e in span) - trace.t0) * 1e3
+        x1 = (max(e.end for e in span) - trace.t0) * 1e3
+        layout["shapes"].append(dict(type="rect", xref="x", yref="paper", x0=x0, x1=x1, y0=0,
+                                     y1=1, fillcolor=S.INSTRUMENTED_COLOR, opacity=0.35,
+                                     line_width=0, layer="below"))
+        layout["annotations"].append(dict(
+            x=(x0 + x1) / 2, xref="x", y=1.0, yref="paper", yanchor="bottom", showarrow=False,
+            text=f"step {s}: {what}-tracked, slower by design", font=dict(size=11,
+                                                                            color=S.MUTED)))
     return cols, layout
+
+
+def _alternating(col) -> list:
+    """Opacity per bar: calls in one lane alternate 1 / :data:`_ALT_OPACITY` by start."""
+    out = [1.0] * len(col["x"])
+    by_lane: dict = {}
+    for i, (y, b) in enumerate(zip(col["y"], col["base"])):
+        by_lane.setdefault(y, []).append((b, i))
+    for calls in by_lane.values():
+        for k, (_b, i) in enumerate(sorted(calls)):
+            out[i] = 1.0 if k % 2 == 0 else _ALT_OPACITY
+    return out
+
+
+def _title(events, ranks, trace, step, flagged) -> str:
+    if not events:
+        return "no events recorded"
+    lo, hi = min(e.start for e in events), max(e.end for e in events)
+    length = (hi - lo) * 1e3
+    if step is None:
+        steps = sorted({e.step for e in events if e.step >= 0})
+        what = f"all {len(steps)} steps" if steps else "the whole run"
+        note = ""
+        if flagged:
+            names = ", ".join(f"step {s} ({w}-tracked)" for s, w in sorted(flagged.items()))
+            note = f"<br><sup>shaded: {names}: instrumented, slower by design</sup>"
+        return (f"{what}: {length:.1f} ms, {len(events)} events on {len(ranks)} rank(s)"
+                f"{note}")
+    start = (lo - trace.t0) * 1e3
+    note = (f"<br><sup>step {step} ran {flagged[step]}-tracked: slower by design, not a "
+            "step time</sup>" if step in flagged else "")
+    return (f"step {step}: {length:.1f} ms long (from {start:.1f} ms), {len(events)} events "
+            f"on {len(ranks)} rank(s){note}")
 
 
 def _base_layout() -> dict:
@@ -126,7 +202,7 @@ def _base_layout() -> dict:
                 xaxis=dict(title="ms from the first event", zeroline=False),
                 yaxis=dict(tickmode="array", tickvals=[], ticktext=[], range=[1, -1],
                            zeroline=False, showgrid=False),
-                legend=dict(groupclick="toggleitem"), margin=dict(l=70, r=20, t=50, b=40),
+                legend=dict(groupclick="toggleitem"), margin=dict(l=70, r=20, t=64, b=40),
                 title=dict(text="no events recorded", font_size=14), height=210,
                 hoverlabel=dict(align="left"))
 
@@ -140,7 +216,8 @@ class TimelineView(StaticFigure, W.VBox):
 
     Attributes:
         fig: the ``go.FigureWidget`` (updated in place, inside ``batch_update()``).
-        step_selector: ``ipywidgets.Dropdown`` — ``None`` for all steps, else a step index.
+        step_selector: ``ipywidgets.Dropdown`` — :data:`ALL_STEPS` (``"all"``) for all
+            steps, else a step index; :attr:`step` gives ``None`` for all steps.
         result: the run on display.
 
     The view is itself an ``ipywidgets.VBox`` (selector above figure): display it.
@@ -151,13 +228,16 @@ class TimelineView(StaticFigure, W.VBox):
         self.result = None
         self._trace = Trace()
         self._quiet = False
-        self.step_selector = W.Dropdown(options=[("all steps", None)], value=None,
-                                        description="step", layout=W.Layout(width="200px"))
-        self.fig = go.FigureWidget(data=_empty_traces(), layout=_base_layout())
+        self.step_selector = W.Dropdown(options=[("all steps", ALL_STEPS)], value=ALL_STEPS,
+                                        description="step", tooltip="show one training step",
+                                        style={"description_width": "40px"},
+                                        layout=W.Layout(width="280px"))
+        self.fig = go.Figure(data=_empty_traces(), layout=_base_layout())
         self.step_selector.observe(self._on_step, names="value")
-        self.children = [self.step_selector, self.fig]
         if result is not None:
             self.update(result)
+        self.fig = live(self.fig)  # the widget starts from the drawn figure
+        self.children = [self.step_selector, self.fig]
 
     # -- data in -------------------------------------------------------------------
     def update(self, result: Union["object", Trace]) -> "TimelineView":
@@ -165,10 +245,13 @@ class TimelineView(StaticFigure, W.VBox):
         self.result = result
         self._trace = result if isinstance(result, Trace) else getattr(result, "trace", Trace())
         steps = sorted({e.step for e in self._trace.events if e.step >= 0})
-        keep = self.step_selector.value if self.step_selector.value in steps else None
+        flagged = self._trace.instrumented_steps()
+        keep = self.step_selector.value if self.step_selector.value in steps else ALL_STEPS
         self._quiet = True
         try:
-            self.step_selector.options = [("all steps", None)] + [(f"step {s}", s) for s in steps]
+            self.step_selector.options = [("all steps", ALL_STEPS)] + [
+                (f"step {s}" + (f" ({flagged[s]}-tracked)" if s in flagged else ""), s)
+                for s in steps]
             self.step_selector.value = keep
         finally:
             self._quiet = False
@@ -178,22 +261,25 @@ class TimelineView(StaticFigure, W.VBox):
     @property
     def step(self) -> Optional[int]:
         """The selected step (``None`` = all)."""
-        return self.step_selector.value
+        v = self.step_selector.value
+        return None if v == ALL_STEPS else v
 
     @step.setter
     def step(self, value: Optional[int]) -> None:
-        self.step_selector.value = value
+        self.step_selector.value = ALL_STEPS if value is None else value
 
     def _on_step(self, _change) -> None:
         if not self._quiet:
             self._redraw()
 
     def _redraw(self) -> None:
-        cols, layout = timeline_traces(self._trace, self.step_selector.value)
+        cols, layout = timeline_traces(self._trace, self.step)
+        shapes, notes = layout.pop("shapes"), layout.pop("annotations")
         with self.fig.batch_update():
             for tr, col in zip(self.fig.data, cols):
                 tr.update(col)
             self.fig.update_layout(layout)
+            self.fig.layout.shapes, self.fig.layout.annotations = shapes, notes  # replace all
 
     def __repr__(self) -> str:
-        return f"TimelineView({self._trace!r}, step={self.step_selector.value})"
+        return f"TimelineView({self._trace!r}, step={self.step})"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from typing import Optional
 
 import torch
 
@@ -174,10 +175,23 @@ def formula_bytes(op: str, n: int, s: float, algorithm: str = "ring", rank: int 
                                                                        float(one[0]))
 
 
-def formula_text(op: str, algorithm: str = "ring") -> str:
-    """The formula :func:`formula_bytes` evaluates, as text (per rank, each way)."""
+def formula_text(op: str, algorithm: str = "ring", n: Optional[int] = None) -> str:
+    """The formula :func:`formula_bytes` evaluates, as text (per rank, each way).
+
+    With ``n``, recursive doubling over a non-power-of-two ``n`` gets its own rule (the
+    ranks that fold into a partner first send less, their partners more), e.g. for N=3:
+    ``"p=2^⌊log2 N⌋=2: ranks 0–1 fold first (even S, odd (log2 p+1)·S), rank 2 log2(p)·S"``.
+    """
     if op == "all_reduce":
-        return "log2(N)·S" if algorithm == "recursive_doubling" else "2(N−1)/N·S"
+        if algorithm != "recursive_doubling":
+            return "2(N−1)/N·S"
+        if n is None or n < 2 or n & (n - 1) == 0:
+            return "log2(N)·S"
+        p = 1 << (n.bit_length() - 1)
+        fold = 2 * (n - p)
+        rest = (f"ranks {fold}–{n - 1}" if n - 1 > fold else f"rank {fold}") if fold < n else ""
+        return (f"p=2^⌊log2 N⌋={p}: ranks 0–{fold - 1} fold first (even S, odd (log2 p+1)·S)"
+                + (f", {rest} log2(p)·S" if rest else ""))
     if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return "(N−1)/N·S"
     return "S per hop"

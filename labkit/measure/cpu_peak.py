@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["calibrate_cpu_peak", "rank_peak_flops", "cpu_model_name", "cache_path"]
+__all__ = ["calibrate_cpu_peak", "cpu_model_name", "cache_path"]
 
 
 def cpu_model_name() -> str:
@@ -92,7 +92,7 @@ def calibrate_cpu_peak(n: int = 512, seconds: float = 0.3,
         ranks: how many ranks run the loop concurrently (part of the cache key only).
         refresh: measure even when cached; the cache keeps the larger of the two values.
         combine: called on every rank with its measured rate; returns the value to cache
-            and return (e.g. the mean over the ranks, as :func:`rank_peak_flops` does).
+            and return (e.g. the mean over the ranks, as :func:`labkit.measure.rank_peak.rank_peak_flops` does).
 
     Returns:
         FLOP/s (float).
@@ -135,38 +135,3 @@ def calibrate_cpu_peak(n: int = 512, seconds: float = 0.3,
     if cache:
         _write_cache(path, key, flops)
     return flops
-
-
-def rank_peak_flops(ctx, dtype: torch.dtype = torch.float32) -> Optional[float]:
-    """Peak FLOP/s of one rank of a running job, cached in ``ctx.cache`` for the process.
-
-    CUDA: the datasheet peak for ``dtype`` (``None`` for a GPU not in the table). CPU: the
-    fp32 matmul loop run on all ``ctx.world_size`` ranks at once after a barrier, and the
-    mean of their rates (an all-reduce with tracing off, so the job's trace holds only its
-    own traffic). Every rank of ``ctx.group`` must call it.
-    """
-    from .. import comm
-    from .peak import device_peak_flops
-
-    key = ("peak", str(ctx.device), ctx.world_size, dtype if ctx.is_cuda else torch.float32)
-    if key in ctx.cache:
-        return ctx.cache[key]
-    if ctx.is_cuda:
-        ctx.cache[key] = device_peak_flops(ctx.device, dtype)
-        return ctx.cache[key]
-
-    def mean_over_ranks(flops: float) -> float:
-        t = torch.tensor([flops], dtype=torch.float64)
-        enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
-        try:
-            comm.all_reduce(t, "sum", ctx.group)
-        finally:
-            ctx.tracer.enabled = enabled
-        return float(t.item()) / ctx.world_size
-
-    multi = ctx.world_size > 1
-    ctx.cache[key] = calibrate_cpu_peak(
-        dtype=torch.float32, ranks=ctx.world_size,
-        barrier=(lambda: comm.barrier(ctx.group)) if multi else None,
-        combine=mean_over_ranks if multi else None)
-    return ctx.cache[key]

@@ -212,9 +212,15 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     Returns:
         :class:`MemoryReport`.
 
+    Inside a traced job the step is flagged ``instrumented="memory"``
+    (:func:`labkit.trace.flag_step`), so timelines mark it.
+
     Raises:
         Whatever ``step_fn`` raises (the tracker and its hooks are removed first).
     """
+    from labkit.trace import flag_step
+
+    flag_step("memory")  # this step runs several times slower under the tracker: say so
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -20,11 +20,10 @@ from typing import Optional, Union
 
 import torch
 
-from .cpu_peak import cache_path, calibrate_cpu_peak, cpu_model_name, rank_peak_flops
+from .cpu_peak import cache_path, calibrate_cpu_peak, cpu_model_name
 
 __all__ = ["GPU_SPECS", "LECTURE_PEAKS", "gpu_spec", "gpu_peak_flops", "gpu_memory_bandwidth",
-           "calibrate_cpu_peak", "device_peak_flops", "rank_peak_flops", "cpu_model_name",
-           "cache_path"]
+           "calibrate_cpu_peak", "device_peak_flops", "cpu_model_name", "cache_path"]
 
 T = 1e12  # TFLOP/s → FLOP/s
 G = 1e9   # GB/s → B/s

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .moe import Experts, MoE
 
 __all__ = ["GPT", "Block", "Attention", "SwiGLU", "RMSNorm", "rope_tables", "apply_rope",
            "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS"]
@@ -178,6 +179,8 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     ``(B, S, H)`` in/out. ``causal=False`` gives the encoder block that ``ViT`` uses.
+    ``mlp`` is a :class:`SwiGLU`, or with ``cfg.n_experts > 0`` a mixture of experts
+    (:class:`labkit.models.moe.MoE`).
     """
 
     def __init__(self, cfg: ModelConfig, causal: bool = True, attention: str = "sdpa",
@@ -186,7 +189,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.attn = Attention(cfg, causal=causal, impl=attention, device=device, dtype=dtype)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, device=device, dtype=dtype)
+        if cfg.n_experts:
+            self.mlp = MoE(cfg, device=device, dtype=dtype)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -218,6 +224,8 @@ def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (RMSNorm, nn.LayerNorm)):
             nn.init.ones_(m.weight)
+        elif isinstance(m, Experts):
+            m.reset_parameters(std)
 
 
 class GPT(nn.Module):
@@ -245,6 +253,9 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, causal=True, attention=attention,
                                           device=device, dtype=dtype)
                                     for _ in range(cfg.n_layers))
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.layer_id = i  # routing records name their layer
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device,
                               dtype=dtype)
@@ -305,14 +316,16 @@ class GPT(nn.Module):
 def count_params(cfg: ModelConfig, include_embeddings: bool = True) -> int:
     """Analytic parameter count of ``GPT(cfg)`` (or ``ViT(cfg)`` for ``kind="vit"``).
 
-    Equals ``sum(p.numel() for p in model.parameters())``, a tied head counted once.
+    Equals ``sum(p.numel() for p in model.parameters())``, a tied head counted once; a
+    mixture-of-experts model counts all ``n_experts`` experts and the routers.
     ``include_embeddings=False`` drops the token embedding and an untied output head
     (GPT), or the patch projection, class token and position table (ViT): the
     "non-embedding" count of Kaplan et al. 2020, §2.1.
     """
     h, hd = cfg.d_model, cfg.head_dim
     attn = h * cfg.n_heads * hd * 2 + h * cfg.kv_heads * hd * 2  # wq, wo; wk, wv
-    block = attn + 3 * h * cfg.ffn_dim + 2 * h                   # SwiGLU, two norms
+    mlp = 3 * h * cfg.ffn_dim * max(cfg.n_experts, 1) + h * cfg.n_experts  # experts, router
+    block = attn + mlp + 2 * h                                   # two norms
     body = cfg.n_layers * block + h                              # + final norm
     if cfg.kind == "vit":
         n_patches = (cfg.image_size // cfg.patch_size) ** 2

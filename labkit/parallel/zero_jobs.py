@@ -32,9 +32,9 @@ from ..models import build_model
 from ..plan.comm import comm_bytes, dp_step_comm_bytes
 from ..plan.memory import model_state_bytes
 from ..trace import region
-from ..train import flat_params, flops_and_mfu, local_batch, run_steps, steady_step_time
+from ..train._old import flat_params, flops_and_mfu, local_batch, run_steps, steady_step_time
 from .dp import DataParallel, unique_parameters
-from .fsdp import FullyShardedDataParallel, hsdp_groups
+from .zero import FullyShardedDataParallel, hsdp_groups
 from .zero import ZeroDataParallel
 from .zero_config import ZeroConfig
 

@@ -1,15 +1,34 @@
 """Analytic planning at cluster scale: pure functions of sizes and counts, no torch needed.
 
-* :mod:`labkit.plan.memory` — model-state bytes per rank under DP and ZeRO-1/2/3 (claims
-  C10–C12).
+* :mod:`labkit.plan.memory` — model-state bytes per rank under DP and ZeRO-1/2/3 (C10–C12).
 * :mod:`labkit.plan.comm` — bytes each rank sends in ring collectives, nccl-tests' bus
-  bandwidth factor, and a data-parallel step's traffic (claims C6, C9, C13–C15).
+  bandwidth factor, a data-parallel step's traffic (C6, C9, C13–C15).
+* :mod:`labkit.plan.models`, :mod:`~labkit.plan.hardware`, :mod:`~labkit.plan.runtime` —
+  model shapes, clusters with their bandwidth hierarchy, and the calibration constants.
+* :mod:`labkit.plan.layout` — a ``[TP, CP, PP, DP]`` layout and its rules (C36, C38).
+* :mod:`labkit.plan.estimate` — memory by category, communication per axis, bubble, step
+  time and MFU of one layout, every term with its formula and source.
+* :mod:`labkit.plan.search` — the best layouts that fit, and why the others fail.
+* :mod:`labkit.plan.published` — the planner against Narayanan et al. 2021 Table 1 and
+  Llama 3's Table 4 (C35); :mod:`labkit.plan.rules` — the lectures' rules of thumb.
 """
+from labkit.plan.activations import in_flight, layer_activation_bytes
 from labkit.plan.comm import (COLLECTIVES, busbw_factor, comm_bytes, dp_step_comm_bytes,
                               normalize_collective)
-from labkit.plan.memory import (BYTES_PER_PARAM, model_state_bytes, sharded_state_bytes,
-                                GB, GiB)
+from labkit.plan.estimate import MEMORY_CATEGORIES, Plan, Term, estimate
+from labkit.plan.hardware import CLUSTERS, GPUS, ClusterSpec, GPU, Level, cluster_preset
+from labkit.plan.layout import AXES, Layout, layout_from_mesh, stage_layers
+from labkit.plan.memory import (BYTES_PER_PARAM, GB, GiB, model_state_bytes, rank_memory,
+                                sharded_state_bytes)
+from labkit.plan.models import PLAN_MODELS, PlanModel, narayanan_flops, plan_model
+from labkit.plan.runtime import RUNTIMES, Runtime, runtime_preset
+from labkit.plan.search import Rejected, SearchResult, search
 
 __all__ = ["COLLECTIVES", "busbw_factor", "comm_bytes", "dp_step_comm_bytes",
-           "normalize_collective", "BYTES_PER_PARAM", "model_state_bytes",
-           "sharded_state_bytes", "GB", "GiB"]
+           "normalize_collective", "BYTES_PER_PARAM", "model_state_bytes", "rank_memory",
+           "sharded_state_bytes", "GB", "GiB", "in_flight", "layer_activation_bytes",
+           "MEMORY_CATEGORIES", "Plan", "Term", "estimate", "CLUSTERS", "GPUS",
+           "ClusterSpec", "GPU", "Level", "cluster_preset", "AXES", "Layout", "layout_from_mesh",
+           "stage_layers",
+           "PLAN_MODELS", "PlanModel", "narayanan_flops", "plan_model", "RUNTIMES", "Runtime",
+           "runtime_preset", "Rejected", "SearchResult", "search"]

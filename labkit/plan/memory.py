@@ -21,7 +21,8 @@ lectures use decimal GB for these examples.
 """
 from __future__ import annotations
 
-__all__ = ["BYTES_PER_PARAM", "model_state_bytes", "sharded_state_bytes", "GB", "GiB"]
+__all__ = ["BYTES_PER_PARAM", "model_state_bytes", "sharded_state_bytes", "rank_memory", "GB",
+           "GiB"]
 
 GB = 1e9        # decimal gigabyte, bytes
 GiB = 2 ** 30   # binary gibibyte, bytes
@@ -90,3 +91,31 @@ def sharded_state_bytes(n_params: float, values_per_param: int = 4, bytes_per_va
         raise ValueError(f"n_ranks must be a positive integer, got {n_ranks!r}")
     total = float(n_params) * values_per_param * bytes_per_value
     return {"total": total, "per_rank": total / n_ranks}
+
+
+def rank_memory(params: float, zero: int, shard: int, grad_bytes: int = 2,
+                activations: float = 0.0, comm_buffers: float = 0.0) -> dict[str, float]:
+    """Bytes one GPU holds by category, for a model shard of ``params`` parameters.
+
+    Parameters ``2P`` (16-bit), gradients ``grad_bytes·P``, Adam ``12P`` (fp32 master, m,
+    v), each divided by ``shard`` (the ZeRO group) as ``zero`` says — stage 1 the optimizer,
+    2 also the gradients, 3 also the parameters (ZeRO §5.1) — plus ``activations`` and
+    ``comm_buffers``. With ``grad_bytes=2`` the first three are :func:`model_state_bytes`.
+
+    Returns:
+        ``{"parameters", "gradients", "optimizer", "activations", "comm_buffers",
+        "total"}`` in bytes.
+
+    Raises:
+        ValueError: a stage outside 0–3 or ``shard < 1``.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if shard < 1:
+        raise ValueError(f"shard must be >= 1, got {shard}")
+    out = {"parameters": 2.0 * params / (shard if zero == 3 else 1),
+           "gradients": float(grad_bytes) * params / (shard if zero >= 2 else 1),
+           "optimizer": 12.0 * params / (shard if zero >= 1 else 1),
+           "activations": float(activations), "comm_buffers": float(comm_buffers)}
+    out["total"] = sum(out.values())
+    return out

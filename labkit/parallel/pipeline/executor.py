@@ -93,21 +93,33 @@ class PipelineExecutor:
             that needs it (earlier where the schedule allows, see the module docstring).
         pp_ranks: global rank of each stage-rank (``pp_ranks[i]`` holds stage-rank ``i``);
             ``None`` = ``(0, 1, …, P−1)``, the pipeline on the pool's first ``P`` ranks.
+            The one training job runs a pipeline per data and tensor coordinate, each over
+            its own ranks.
+        forward_fns: ``{stage: callable}`` that runs a stage's forward (a data-parallel
+            wrapper around it); default the stage module itself.
+        loss_reduction: ``"mean"`` or ``"sum"`` over a microbatch's tokens, before
+            ``loss_scale`` (the one training job uses the sum over the global token count).
 
     Raises:
         ValueError: ``stages`` lacks a stage the schedule puts on ``rank``; ``rank`` not in
-            ``0 … P−1``; a bad ``pp_ranks`` (:func:`check_pp_ranks`).
+            ``0 … P−1``; a bad ``pp_ranks`` (:func:`check_pp_ranks`); ``loss_reduction``
+            not ``"mean"`` or ``"sum"``.
     """
 
     def __init__(self, schedule: Schedule, stages: dict, rank: int, group, act_shape: tuple,
                  dtype=torch.float32, device="cpu", store: Optional[WeightGradStore] = None,
                  meter: Optional[ActivationMeter] = None, prefetch: int = 2,
-                 pp_ranks: Optional[Sequence[int]] = None):
+                 pp_ranks: Optional[Sequence[int]] = None, forward_fns: Optional[dict] = None,
+                 loss_reduction: str = "mean"):
         if not 0 <= rank < schedule.pp:
             raise ValueError(f"rank={rank} is not a stage-rank of a pipeline of "
                              f"pp={schedule.pp} ranks")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
         self.sched, self.stages, self.rank, self.group = schedule, stages, rank, group
         self.pp_ranks = check_pp_ranks(pp_ranks, schedule.pp)
+        self.forward_fns = dict(forward_fns or {})
+        self.loss_reduction = loss_reduction
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
         self.store, self.meter = store, meter
         self.n = schedule.n_stages
@@ -192,9 +204,10 @@ class PipelineExecutor:
             # the compute
             if kind == "F":
                 with meter.forward((s, i)) if meter is not None else contextlib.nullcontext():
-                    out = stage(inp)
+                    out = self.forward_fns.get(s, stage)(inp)
                     if stage.is_last:
-                        out = stage.loss(out, y[i * b:(i + 1) * b]) * loss_scale
+                        out = stage.loss(out, y[i * b:(i + 1) * b],
+                                         self.loss_reduction) * loss_scale
             elif kind == "W":
                 self.store.flush((s, i))
             else:

@@ -70,7 +70,7 @@ def pipeline_train_mfu(ctx, cfg: PipelineConfig) -> dict:
     ``peak_flops`` and ``mfu`` in the metrics (FLOPs and the peak cached per process)."""
     import torch
 
-    from ...measure.cpu_peak import rank_peak_flops
+    from ...measure.rank_peak import rank_peak_flops
     from ...models.gpt import count_params
     from ...plan.memory import model_state_bytes
     from .jobs import pipeline_train

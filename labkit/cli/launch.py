@@ -1,0 +1,90 @@
+"""``labkit run``: the one training job on an own local cluster, or in torchrun's workers.
+
+* **Own cluster.** :func:`~.run.resolve` validates the flags, then a
+  :class:`labkit.Cluster` of ``dp·tp·pp·cp`` ranks runs :func:`labkit.jobs.train` and the
+  caller prints the report.
+* **Under torchrun** (``torchrun --nproc-per-node N -m labkit run ...``), every worker
+  validates the same flags (rank 0 prints a refusal, all exit 2), joins the process group
+  from the environment (``env://``), runs the job in-process, and sends its output (and its
+  trace events when a trace or the bubble needs them) to rank 0 with ``gather_object``;
+  rank 0 prints the report; a barrier keeps every rank's gloo alive until rank 0 has
+  received everything; then the group is destroyed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .common import UsageError, under_torchrun
+from .run import resolve
+
+__all__ = ["cmd_run"]
+
+
+def cmd_run(args) -> int:
+    """Run ``labkit run``'s arguments; returns the exit code (1: a rank failed or hung)."""
+    if under_torchrun():
+        return _run_torchrun(args)
+    r = resolve(args)
+    from ..cluster import Cluster, RankError
+    from ..jobs import train
+    from .report import report
+
+    t0 = time.perf_counter()
+    try:
+        with Cluster(world_size=r.world_size) as cluster:
+            result = cluster.run(train, r.cfg)
+            backend = cluster.backend
+    except (RankError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    info = {"launcher": "cluster", "backend": backend, "wall_s": time.perf_counter() - t0,
+            **r.notes}
+    if args.trace:
+        result.trace.to_chrome(args.trace)
+        info["trace"] = args.trace
+    report(r.cfg, result.outputs, info, args.json, result.trace)
+    return 0
+
+
+def _run_torchrun(args) -> int:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        r = resolve(args, torchrun_world=world, check_machine=False)
+    except UsageError as exc:
+        if rank0:
+            print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    if os.environ.get("MASTER_ADDR", "") in ("localhost", "127.0.0.1", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # pair sockets on loopback too
+    import torch.distributed as dist
+
+    from ..jobs import train
+    from ..trace import Trace, use_tracer
+    from ..worker import context_from_env
+
+    t0 = time.perf_counter()
+    ctx = context_from_env()
+    try:
+        with use_tracer(ctx.tracer):
+            out = train(ctx, r.cfg)
+        events = args.trace or r.cfg.parallel.pp > 1  # the bubble is read from the trace
+        mine = {"output": out, "events": ctx.tracer.events if events else []}
+        gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=ctx.group)
+        if ctx.rank == 0:
+            from .report import report
+
+            info = {"launcher": "torchrun", "backend": ctx.backend,
+                    "wall_s": time.perf_counter() - t0, **r.notes}
+            trace = Trace.merge(g["events"] for g in gathered)
+            if args.trace:
+                trace.to_chrome(args.trace)
+                info["trace"] = args.trace
+            report(r.cfg, [g["output"] for g in gathered], info, args.json, trace)
+        dist.barrier(group=ctx.group)  # nobody tears gloo down while rank 0 still receives
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,179 @@
+"""Column- and row-parallel linear layers, and the norm of a tensor-parallel block.
+
+Megatron-LM's split of a linear layer ``Y = X Wᵀ`` (Shoeybi et al. 2019, §3):
+
+* **column-parallel** — rank ``r`` of ``T`` holds rows ``[r·O/T, (r+1)·O/T)`` of ``W``
+  ``(O, I)`` (output features), sees the whole input and produces its slice of the output
+  features. Input enters through ``f`` (identity forward, all-reduce backward), or with
+  sequence parallelism through an all-gather along the sequence (Korthikanti et al. 2022,
+  §4.2.2).
+* **row-parallel** — rank ``r`` holds columns ``[r·I/T, (r+1)·I/T)`` of ``W`` (input
+  features), takes the matching slice of a column-parallel output, and produces a partial
+  sum of ``Y``, completed by ``g`` (all-reduce) or with sequence parallelism by a
+  reduce-scatter along the sequence.
+
+A column-parallel layer feeding a row-parallel one needs nothing in between (claim C24): the
+element-wise work on the ``O/T`` features is local. Several column-parallel weights that share
+one input (the Q/K/V projections; SwiGLU's gate and up) share one ``f`` or all-gather: in
+:func:`column_matmuls` the input crosses the boundary once, as Megatron's fused QKV does.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .functions import (copy_to_tp, gather_from_sp, gather_seq, reduce_from_tp,
+                        reduce_scatter_to_sp, scatter_seq, tp_size)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm", "column_matmuls",
+           "row_output", "shard_rows", "shard_cols"]
+
+
+def shard_rows(w: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rows ``[rank·R/n, (rank+1)·R/n)`` of ``w`` ``(R, C)``, a contiguous copy."""
+    k = w.shape[0] // n
+    return w.detach()[rank * k:(rank + 1) * k].clone()
+
+
+def shard_cols(w: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Columns ``[rank·C/n, (rank+1)·C/n)`` of ``w`` ``(R, C)``, a contiguous copy."""
+    k = w.shape[1] // n
+    return w.detach()[:, rank * k:(rank + 1) * k].contiguous().clone()
+
+
+class _RegatherColumnMatmuls(torch.autograd.Function):
+    """Sequence-parallel column matmuls that keep only the ``(B, S/T, H)`` input shard for
+    backward and all-gather it again there (Korthikanti et al. 2022, §4.2.2: store the
+    sequence-parallel part of the input, an extra all-gather in backward), instead of the
+    gathered ``(B, S, H)``. Forward: all-gather, ``Y_j = X W_jᵀ``. Backward: all-gather ``X``
+    again for ``dW_j = dY_jᵀ X``, and reduce-scatter ``dX = Σ_j dY_j W_j``."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, tags, *weights):
+        ctx.group, ctx.tags = group, tags
+        ctx.save_for_backward(x_local, *weights)
+        x = gather_seq(x_local, group, {**tags, "phase": "forward"})
+        return tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_local, *weights = ctx.saved_tensors
+        bwd = {**ctx.tags, "phase": "backward"}
+        x = gather_seq(x_local, ctx.group, {**bwd, "regather": True})
+        x2 = x.reshape(-1, x.shape[-1])
+        gx = sum(g @ w for g, w in zip(grads, weights))
+        gws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grads]
+        return (scatter_seq(gx, ctx.group, bwd), None, None, *gws)
+
+
+def column_matmuls(x: torch.Tensor, weights: Sequence[torch.Tensor], group, *,
+                   sequence_parallel: bool = False, regather: bool = False,
+                   **tags) -> tuple:
+    """``X W_jᵀ`` for column-parallel weights ``W_j`` ``(O_j/T, I)`` sharing one input.
+
+    ``x`` is ``(B, S, I)`` (replicated), or ``(B, S/T, I)`` with ``sequence_parallel``; it
+    crosses into the tp region once (``f``, or one all-gather). With ``regather`` (sequence
+    parallel only) backward keeps the ``S/T`` shard and all-gathers it again. Returns one
+    ``(B, S, O_j/T)`` tensor per weight.
+    """
+    if sequence_parallel and regather and tp_size(group) > 1:
+        return _RegatherColumnMatmuls.apply(x, group, tags, *weights)
+    x = gather_from_sp(x, group, **tags) if sequence_parallel else copy_to_tp(x, group, **tags)
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def row_output(y: torch.Tensor, group, *, sequence_parallel: bool = False,
+               **tags) -> torch.Tensor:
+    """Complete a row-parallel partial sum ``(B, S, O)``: all-reduce (``g``) → ``(B, S, O)``,
+    or with ``sequence_parallel`` reduce-scatter → ``(B, S/T, O)``."""
+    if sequence_parallel:
+        return reduce_scatter_to_sp(y, group, **tags)
+    return reduce_from_tp(y, group, **tags)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Column-parallel bias-free linear: ``weight`` ``(O/T, I)`` is this rank's output rows.
+
+    ``forward(x)``: ``x`` ``(B, S, I)`` (or ``(B, S/T, I)`` with sequence parallelism) →
+    ``(B, S, O/T)``, the input entering the tp region through ``f`` / an all-gather.
+    Built by :meth:`from_linear` from a full ``nn.Linear``.
+    """
+
+    def __init__(self, weight: nn.Parameter, group, *, sequence_parallel: bool = False,
+                 regather: bool = False, tags: dict | None = None):
+        super().__init__()
+        self.weight = weight
+        self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
+        self.tags = dict(tags or {})
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, **kw) -> "ColumnParallelLinear":
+        n = tp_size(group)
+        return cls(nn.Parameter(shard_rows(linear.weight, rank, n)), group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_matmuls(x, (self.weight,), self.group,
+                              sequence_parallel=self.sequence_parallel,
+                              regather=self.regather, **self.tags)[0]
+
+    def extra_repr(self) -> str:
+        o, i = self.weight.shape
+        return f"local_out={o}, in={i}, tp={tp_size(self.group)}"
+
+
+class RowParallelLinear(nn.Module):
+    """Row-parallel bias-free linear: ``weight`` ``(O, I/T)`` is this rank's input columns.
+
+    ``forward(x)``: ``x`` ``(B, S, I/T)`` → ``(B, S, O)`` after the all-reduce ``g``, or
+    ``(B, S/T, O)`` after the reduce-scatter with sequence parallelism.
+    """
+
+    def __init__(self, weight: nn.Parameter, group, *, sequence_parallel: bool = False,
+                 tags: dict | None = None):
+        super().__init__()
+        self.weight = weight
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.tags = dict(tags or {})
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, rank: int, **kw) -> "RowParallelLinear":
+        n = tp_size(group)
+        return cls(nn.Parameter(shard_cols(linear.weight, rank, n)), group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_output(F.linear(x, self.weight), self.group,
+                          sequence_parallel=self.sequence_parallel, **self.tags)
+
+    def extra_repr(self) -> str:
+        o, i = self.weight.shape
+        return f"out={o}, local_in={i}, tp={tp_size(self.group)}"
+
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) of a tensor-parallel model, ``(…, H)`` in and out.
+
+    Without sequence parallelism every tp rank normalises the same ``(B, S, H)`` and receives
+    the same, complete gradient (the ``f`` after it sums the input gradient), so this is
+    plain RMSNorm. With sequence parallelism each rank normalises its own ``S/T`` tokens and
+    its weight gradient covers only those: the weight passes through ``f`` (identity forward,
+    all-reduce backward), so every rank ends backward with the full gradient summed over the
+    tp group (Korthikanti et al. 2022, §4.2.2; Megatron-LM sums these "sequence-parallel
+    parameters" over the tp group). Holds the norm's own ``weight`` Parameter.
+    """
+
+    def __init__(self, norm: nn.Module, group, *, sequence_parallel: bool = False,
+                 tags: dict | None = None):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.tags = dict(tags or {})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tp(self.weight, self.group, **self.tags) if self.sequence_parallel \
+            else self.weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * w

@@ -1,0 +1,229 @@
+"""Model shapes the planner reasons about, their parameter counts and FLOPs.
+
+A :class:`PlanModel` describes one decoder-only transformer by the numbers the cost model
+needs: layers ``L``, hidden size ``h``, heads ``a`` (and key/value heads for grouped-query
+attention), MLP width ``f`` and kind, vocabulary ``V``, sequence length ``s``, and the
+implementation facts that change memory and time (eager attention that stores the
+``a·s²`` score matrix, or fused flash attention that does not; dropout; biases).
+
+Presets:
+
+* the lab's own models and the Llama 3 herd, converted from ``labkit.config.PRESETS``
+  (SwiGLU MLP, RMSNorm, grouped-query attention, flash attention, no dropout, no biases);
+* Llama 3.2 1B (Meta's model card), the "about 1B parameters" of the scaling recipe (C19);
+* GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12,288, 96 heads of 128,
+  context 2,048; the GPT-2 BPE vocabulary of 50,257 tokens);
+* the ten GPT models of Narayanan et al. 2021, Table 1 (``megatron-1.7b`` … ``megatron-1t``):
+  GELU MLP of ``4h``, learned positions, biases, dropout, vocabulary 51,200, sequence 2,048.
+
+FLOPs follow the conventions of :mod:`labkit.measure.flops` (one multiply-add is 2 FLOP,
+backward ≈ 2× forward): model FLOPs per token ``6·N_matmul + 12·L·a·d·s`` (Kaplan et al.
+2020 §2.1; PaLM, Chowdhery et al. 2022, Appendix B), non-causal. For the GPT models this
+equals Narayanan et al.'s Eq. 3 without the recomputation pass:
+``72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V`` per step; :func:`narayanan_flops` is Eq. 3 itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+from labkit.config import PRESETS, ModelConfig
+
+__all__ = ["PlanModel", "PLAN_MODELS", "plan_model", "narayanan_flops"]
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """A decoder-only transformer as the planner sees it (all sizes in elements).
+
+    Attributes:
+        name: preset name.
+        n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, seq_len: ``L, h, a, k,
+            f, V, s``.
+        mlp: ``"swiglu"`` (three ``h×f`` matrices) or ``"gelu"`` (two).
+        attention: ``"flash"`` (fused kernel: no ``s²`` tensor stored, Dao et al. 2022) or
+            ``"eager"`` (scores, softmax and dropout materialised: Korthikanti et al. 2022's
+            ``5·a·s²·b`` bytes per layer).
+        dropout: dropout after attention, projection and MLP (Megatron's GPT); adds the
+            1-byte masks of Korthikanti et al. 2022, §4.1.
+        bias: linear layers carry biases (counted as parameters, not as matmul FLOPs).
+        norm: ``"rmsnorm"`` (``h`` weights) or ``"layernorm"`` (``2h``).
+        learned_positions: a ``s×h`` position table (GPT) instead of rotary (Llama).
+        tie_embeddings: the output head shares the input embedding.
+        source: where the shape comes from.
+    """
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    mlp: str = "swiglu"
+    attention: str = "flash"
+    dropout: bool = False
+    bias: bool = False
+    norm: str = "rmsnorm"
+    learned_positions: bool = False
+    tie_embeddings: bool = False
+    source: str = ""
+
+    def __post_init__(self):
+        for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                  "seq_len"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PlanModel.{f} must be a positive int, got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"PlanModel.d_model={self.d_model} does not divide by "
+                             f"n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"PlanModel.n_heads={self.n_heads} does not divide by "
+                             f"n_kv_heads={self.n_kv_heads}")
+        for f, ok in (("mlp", ("swiglu", "gelu")), ("attention", ("flash", "eager")),
+                      ("norm", ("rmsnorm", "layernorm"))):
+            if getattr(self, f) not in ok:
+                raise ValueError(f"PlanModel.{f} must be one of {ok}, got {getattr(self, f)!r}")
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): ``n_kv_heads · head_dim``."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    # ---------------------------------------------------------------- parameters
+    @property
+    def layer_matmul_params(self) -> int:
+        """Matmul weights of one block: ``Wq, Wo`` (h·h), ``Wk, Wv`` (h·kv_dim), MLP."""
+        h = self.d_model
+        return 2 * h * h + 2 * h * self.kv_dim + self.mlp_matrices * h * self.d_ff
+
+    @property
+    def layer_params(self) -> int:
+        """All weights of one block: matmuls, biases, two norms."""
+        h = self.d_model
+        n = self.layer_matmul_params + 2 * (h if self.norm == "rmsnorm" else 2 * h)
+        if self.bias:
+            n += h + 2 * self.kv_dim + h + (self.mlp_matrices - 1) * self.d_ff + h
+        return n
+
+    @property
+    def embedding_params(self) -> int:
+        """Token table (+ position table), plus the output head when untied."""
+        h = self.d_model
+        n = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return n + (self.seq_len * h if self.learned_positions else 0)
+
+    @property
+    def params(self) -> int:
+        """Every parameter: blocks, embeddings, head, final norm."""
+        final_norm = self.d_model * (1 if self.norm == "rmsnorm" else 2)
+        return self.n_layers * self.layer_params + self.embedding_params + final_norm
+
+    @property
+    def head_matmul_params(self) -> int:
+        """The output projection ``h·V`` (a matmul even when tied)."""
+        return self.d_model * self.vocab_size
+
+    # ---------------------------------------------------------------- FLOPs
+    def attention_flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token of the score and value matmuls: ``12·L·a·d·s``
+        (``QKᵀ`` and ``P·V``, ``4·a·d·s`` forward, ×3 with backward; non-causal, PaLM
+        Appendix B)."""
+        s = self.seq_len if seq_len is None else seq_len
+        return 12.0 * self.n_layers * self.n_heads * self.head_dim * s
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Model FLOPs of one training token (forward + backward, no recomputation):
+        ``6·(L·N_layer + h·V) + 12·L·a·d·s``."""
+        dense = 6.0 * (self.n_layers * self.layer_matmul_params + self.head_matmul_params)
+        return dense + self.attention_flops_per_token(seq_len)
+
+    def with_seq_len(self, seq_len: int) -> "PlanModel":
+        return replace(self, seq_len=int(seq_len))
+
+
+def narayanan_flops(model: PlanModel, batch: int, seq_len: int | None = None) -> float:
+    """FLOPs per iteration as Narayanan et al. 2021 count them (§5.1, Eq. 3):
+    ``96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))`` — GEMMs only, with full activation
+    recomputation (four forward-equivalents per layer), for GPT models with a ``4h`` MLP."""
+    s = model.seq_len if seq_len is None else seq_len
+    L, h, V = model.n_layers, model.d_model, model.vocab_size
+    return 96.0 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def _from_config(cfg: ModelConfig) -> PlanModel:
+    return PlanModel(name=cfg.name, n_layers=cfg.n_layers, d_model=cfg.d_model,
+                     n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, d_ff=cfg.ffn_dim,
+                     vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, mlp="swiglu",
+                     attention="flash", tie_embeddings=cfg.tie_embeddings,
+                     source="labkit.config.PRESETS" + (
+                         " (Llama 3 herd, Dubey et al. 2024, Table 3)"
+                         if cfg.name.startswith("llama3") else ""))
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, source: str) -> PlanModel:
+    return PlanModel(name=name, n_layers=layers, d_model=hidden, n_heads=heads,
+                     n_kv_heads=heads, d_ff=4 * hidden, vocab_size=vocab, seq_len=2048,
+                     mlp="gelu", attention="eager", dropout=True, bias=True, norm="layernorm",
+                     learned_positions=True, tie_embeddings=True, source=source)
+
+
+_NARAYANAN = "Narayanan et al. 2021, Table 1 (vocabulary 51,200, sequence 2,048, §5.1)"
+
+#: Every model the planner knows by name.
+PLAN_MODELS: dict[str, PlanModel] = {
+    name: _from_config(cfg) for name, cfg in PRESETS.items() if cfg.kind == "gpt"}
+PLAN_MODELS["llama3.2-1b"] = PlanModel(
+    name="llama3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
+    vocab_size=128256, seq_len=8192, tie_embeddings=True,
+    source="Meta Llama 3.2 1B (model card / config: 16 layers, 2,048 hidden, 32 heads, "
+           "8 KV heads, FFN 8,192, vocabulary 128,256, tied embeddings)")
+PLAN_MODELS["gpt3-175b"] = _gpt("gpt3-175b", 96, 12288, 96, 50257,
+                                "Brown et al. 2020, Table 2.1 (GPT-3 175B); GPT-2 BPE vocabulary")
+for _name, _heads, _hidden, _layers in (
+        ("1.7b", 24, 2304, 24), ("3.6b", 32, 3072, 30), ("7.5b", 32, 4096, 36),
+        ("18b", 48, 6144, 40), ("39b", 64, 8192, 48), ("76b", 80, 10240, 60),
+        ("146b", 96, 12288, 80), ("310b", 128, 16384, 96), ("530b", 128, 20480, 105),
+        ("1t", 160, 25600, 128)):
+    PLAN_MODELS[f"megatron-{_name}"] = _gpt(f"megatron-{_name}", _layers, _hidden, _heads,
+                                            51200, _NARAYANAN)
+
+
+def plan_model(model: Union[str, PlanModel, ModelConfig], seq_len: int | None = None
+               ) -> PlanModel:
+    """A :class:`PlanModel` from a preset name, a ``ModelConfig`` or a ``PlanModel``;
+    ``seq_len`` overrides the preset's sequence length.
+
+    Raises:
+        ValueError: an unknown name (listing the known ones), a ViT config, or a bad shape.
+    """
+    if isinstance(model, PlanModel):
+        m = model
+    elif isinstance(model, ModelConfig):
+        if model.kind != "gpt":
+            raise ValueError(f"the planner models decoder-only GPTs; {model.name!r} is a "
+                             f"{model.kind!r}")
+        model.validate()
+        m = _from_config(model)
+    else:
+        try:
+            m = PLAN_MODELS[str(model)]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}; known: "
+                             f"{', '.join(sorted(PLAN_MODELS))}") from None
+    if seq_len is not None:
+        if isinstance(seq_len, bool) or int(seq_len) != seq_len or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        m = m.with_seq_len(int(seq_len))
+    return m

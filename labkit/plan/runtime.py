@@ -1,0 +1,99 @@
+"""The planner's calibration constants and what a training implementation overlaps.
+
+Few and named; none is fitted to the published runs the planner is checked against
+(:mod:`labkit.plan.published`):
+
+=====================  =====  ==============================================================
+constant               value  source
+=====================  =====  ==============================================================
+matmul efficiency      0.801  H100 SXM, MAMF 792.1 / 989 TFLOP/s (S. Bekman, ml-engineering,
+                       0.859  "Maximum Achievable Matmul FLOPS" table); A100 SXM 267.9 / 312.
+                              Stored on the :class:`~labkit.plan.hardware.GPU`.
+MEMORY_EFFICIENCY      0.90   assumed: a streaming kernel (norm, softmax, dropout, Adam)
+                              reaches ~90 % of the HBM datasheet bandwidth.
+LINK_EFFICIENCY        0.80   assumed: NCCL's bus bandwidth reaches ~80 % of the nominal
+                              per-direction link rate (the same ceiling MAMF finds for
+                              matmuls). Not measured here: labkit's machine has no NVLink.
+hop latencies          µs     NCCL's tuning model (src/graph/tuning.cc), see
+                              :mod:`labkit.plan.hardware`.
+=====================  =====  ==============================================================
+
+A :class:`Runtime` records what an implementation does, each field from its paper:
+which communication it overlaps with compute (0 = exposed, 1 = hidden as far as the compute
+window allows), the bytes of a gradient, and Megatron's scatter/gather of pipeline sends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "ADAM_BYTES_PER_PARAM", "Runtime",
+           "RUNTIMES", "runtime_preset"]
+
+MEMORY_EFFICIENCY = 0.90
+LINK_EFFICIENCY = 0.80
+#: HBM bytes one Adam step moves per parameter: fp32 master, m and v read and written
+#: (3·8), the gradient read, the 16-bit weight written (Kingma & Ba 2015; mixed precision
+#: as in Micikevicius et al. 2018).
+ADAM_BYTES_PER_PARAM = 24 + 2
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the training implementation overlaps and stores.
+
+    Attributes:
+        name: preset name.
+        grad_bytes: bytes of one gradient element, kept and reduced (2: fp16/bf16; 4: fp32
+            accumulation and reduction).
+        tp_overlap, cp_overlap, pp_overlap, dp_overlap: fraction of each axis's
+            communication that can hide behind compute (0 exposed … 1 hidden up to the
+            compute available).
+        pp_scatter_gather: each tensor-parallel rank sends only its ``1/t`` slice of a
+            pipeline activation and the receiver all-gathers it over NVLink
+            (Narayanan et al. 2021, §4.1).
+        source: where these facts come from.
+    """
+
+    name: str
+    grad_bytes: int
+    tp_overlap: float
+    cp_overlap: float
+    pp_overlap: float
+    dp_overlap: float
+    pp_scatter_gather: bool
+    source: str
+
+
+RUNTIMES: dict[str, Runtime] = {
+    "megatron-2021": Runtime(
+        "megatron-2021", grad_bytes=2, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
+        dp_overlap=0.0, pp_scatter_gather=True,
+        source="Narayanan et al. 2021 (Megatron-LM, PTD-P): fp16 mixed precision; tensor-"
+               "parallel all-reduces and pipeline send/recv block the compute stream; the "
+               "data-parallel gradient all-reduce runs after the last microbatch's backward; "
+               "scatter/gather of pipeline activations (§4.1)"),
+    "llama3-2024": Runtime(
+        "llama3-2024", grad_bytes=4, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
+        dp_overlap=1.0, pp_scatter_gather=False,
+        source="Dubey et al. 2024 (Llama 3) §3.3.2: FP32 gradient accumulation and FP32 "
+               "reduce-scatter; data parallelism (FSDP) outermost because it prefetches "
+               "weights and reduces gradients asynchronously; the all-gather of context-"
+               "parallel K/V is exposed on the critical path; tensor- and pipeline-parallel "
+               "transfers taken as blocking (the paper does not say otherwise)"),
+}
+
+
+def runtime_preset(runtime: Union[str, Runtime]) -> Runtime:
+    """The named :class:`Runtime` (or ``runtime`` itself).
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
+    if isinstance(runtime, Runtime):
+        return runtime
+    try:
+        return RUNTIMES[str(runtime)]
+    except KeyError:
+        raise ValueError(f"unknown runtime {runtime!r}; known: "
+                         f"{', '.join(sorted(RUNTIMES))}") from None

@@ -1,0 +1,272 @@
+"""The ONE training job: every parallelism composed over one mesh, traced and measured.
+
+``run(ctx, cfg)`` is what :func:`labkit.jobs.train` executes on each rank of a
+:class:`labkit.Cluster` (or under ``torchrun``). It
+
+1. validates ``cfg`` and takes this rank's view of the mesh (``cfg.mesh``, the groups
+   already created on every rank of the pool: :mod:`labkit.mesh`);
+2. composes the rank's model (:mod:`labkit.train.build`): pipeline split → (tensor,
+   context, expert) → activation checkpointing → data parallelism / ZeRO / FSDP / HSDP →
+   AdamW;
+3. runs ``cfg.steps`` steps (:mod:`labkit.train.step`): microbatches, or pipeline flushes
+   through the executor, then the gradient reductions and the optimizer — every rank's
+   loss is the sum of its token losses over the global token count, every reduction a sum;
+4. measures (:mod:`labkit.train.metrics`): step time, memory by category, bytes per axis
+   and collective, FLOPs and MFU/HFU, each beside its prediction.
+
+``reference(cfg)`` trains the same model on the same global batches in one process with
+no communication: the ground truth every composition must match.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import comm
+from ..config import RunConfig
+from ..models import build_model
+from ..models.data import make_batch
+from ..parallel.dp import unique_parameters
+from .build import RankSetup, build_rank
+from .data import local_rows, rank_batch, tokens_per_sample
+from .experts import ep_predicted, recording, routing_summary
+from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
+                      predicted_memory, run_steps, steady_step_time)
+from .step import make_step
+
+__all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
+           "steady_step_time", "RankSetup"]
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """All trainable parameters (tied ones once), flattened into one fp32 CPU vector."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for _, p in unique_parameters(model)])
+
+
+def run(ctx, cfg: RunConfig) -> dict:
+    """Train ``cfg`` (a :class:`labkit.config.RunConfig`) on this rank.
+
+    Returns plain data: ``{"losses": [global mean loss per step, the same on every rank],
+    "metrics": {...}}``, plus ``"state"`` (this rank's parameters by full-model name, full
+    shape, fp32, after training) with ``cfg.return_state`` and ``"grads"`` (the first
+    step's reduced gradients, the same form) with ``cfg.return_grads``.
+    """
+    cfg.validate(ctx.world_size)
+    mg = ctx.mesh_groups(cfg.mesh)
+    setup = build_rank(ctx, cfg, mg)
+    executor = meter = None
+    if cfg.parallel.pp > 1 and cfg.impl == "torch":
+        from .pipeline import TorchPipeline
+
+        executor = TorchPipeline(setup)
+    elif cfg.parallel.pp > 1:
+        from .pipeline import make_executor
+
+        executor, meter = make_executor(setup)
+    out: dict = {}
+    step = make_step(setup, executor, on_synced=_grab_grads(setup, out) if cfg.return_grads
+                     else None)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(recording(setup, ctx.tracer)) \
+            if cfg.model_config.n_experts else None
+        shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
+                                          ctx.device, track=setup.track)
+    ctx.tracer.step = -1
+    losses = _global_losses(ctx, setup, shares)
+    step_time = steady_step_time(times)
+    timed = 1 if len(times) > 1 else 0
+    metrics = {"rank": ctx.rank, "coords": dict(mg.coords), "mesh": str(cfg.mesh.shape),
+               "model": cfg.model_config.name, "n_params": setup.n_params,
+               "rank_params": setup.rank_params, "stages": sorted(setup.stages),
+               # parameters outside ZeRO's flat units (a tied copy between pipeline stages)
+               "replicated_params": sum(p.numel() for p in setup.plain_params)
+               if setup.sharded else setup.rank_params,
+               "dp": cfg.parallel.dp, "pp": cfg.parallel.pp, "zero_stage": cfg.zero_stage,
+               "micro_batch": cfg.micro, "accum_steps": cfg.accum_steps,
+               "tokens_per_step": cfg.global_batch * tokens_per_sample(cfg),
+               "step_time_s": step_time, "step_times": times, "checkpoint": cfg.checkpoint,
+               "precision": cfg.precision, "impl": cfg.impl,
+               "memory_predicted": predicted_memory(setup),
+               # Adam keeps a 4-byte step counter per parameter tensor (on the CPU)
+               "optimizer_state_tensors": sum(len(g["params"]) for g in setup.opt.param_groups),
+               "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None
+                                      for m in setup.stages.values()
+                                      for b in getattr(m, "layers", []))}
+    if report is not None:
+        metrics["memory"] = memory_metrics(report, setup)
+    metrics.update(comm_metrics(ctx, setup, timed))
+    if log is not None:
+        out["routing"] = routing_summary(log, cfg.steps)
+        if setup.mg.size("ep") > 1:
+            ep = ep_predicted(ctx, setup, log, timed)
+            metrics["comm_predicted_by_axis"]["ep"] = ep
+            metrics["comm_bytes_predicted"] += sum(ep.values())
+    if setup.cp_core is not None:
+        metrics["cp"] = _cp_metrics(ctx, setup, timed)
+    if cfg.zero_stage == 3 and setup.sharded:
+        metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
+    metrics.update(flops_and_mfu(ctx, setup, step_time))
+    if meter is not None:
+        from .pipeline import p2p_latency
+
+        metrics.update(peak_activation_bytes=meter.peak_bytes, peak_inflight=meter.peak_count,
+                       p2p_latency_s=p2p_latency(ctx, setup))
+    out.update(losses=losses, metrics=metrics)
+    if cfg.return_state:
+        out["state"] = _rank_state(setup)
+    return out
+
+
+def _cp_metrics(ctx, setup: RankSetup, step: int) -> dict:
+    """Context parallelism on this rank: the attention work its own counter saw per step
+    (unmasked query-key pairs × batch rows × heads, by phase; every step does the same) beside
+    the closed form, the K/V working set, and for the ring the fraction of send/recv time
+    hidden under block compute in ``step`` (a timing)."""
+    from ..parallel.context.measure import ring_overlap, work_closed_form
+
+    cfg, mg = setup.cfg, setup.mg
+    mc, p = cfg.model_config, cfg.parallel
+    work = setup.cp_core.counter.to_dict()
+    per_step = {ph: n // cfg.steps for ph, n in work["pairs"].items()}
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    one = work_closed_form(cfg.cp_method, mg.index("cp"), p.cp, mc.seq_len, cfg.cp_zigzag,
+                           True, cfg.micro, mc.n_heads // p.tp)
+    return {"work": per_step, "work_formula": one * layers * cfg.accum_steps,
+            "kv_working_set": work["kv_bytes"],
+            "ring_overlap": ring_overlap(ctx.tracer.events, ctx.rank)
+            if cfg.cp_method == "ring" else None}
+
+
+def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
+    """Sum every rank's loss share into the global mean loss per step, on every rank.
+
+    Only ranks that computed a loss contribute (the last pipeline stage; a tensor-parallel
+    group counts once). One untraced all-reduce after training: bookkeeping, not traffic."""
+    first_of_tp = setup.mg.index("tp") == 0  # every tp rank holds the same loss
+    t = torch.tensor([x if first_of_tp else 0.0 for x in shares], dtype=torch.float64)
+    if ctx.world_size == 1:
+        return t.tolist()
+    enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
+    try:
+        comm.all_reduce(t, "sum", ctx.group)
+    finally:
+        ctx.tracer.enabled = enabled
+    return t.tolist()
+
+
+def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
+    """``{full name: fp32 CPU tensor}`` over this rank's stages, at the full model's shapes:
+    ``fn_wrapper(w)`` gathers a sharded stage over its ZeRO shard group (``{local name:
+    tensor}``), ``fn_param(p)`` reads the rest; tensor-parallel shards are then gathered over
+    the tp group (collective: every rank calls this)."""
+    out = {}
+    sharded = {id(w.module): w for w in setup.sharded}
+    for s in sorted(setup.stages):
+        m = setup.stages[s]
+        local = {}
+        if id(m) in sharded:
+            local = {n: t.detach().float() for n, t in fn_wrapper(sharded[id(m)]).items()}
+        for name, p in unique_parameters(m):
+            if name not in local:
+                v = fn_param(p)
+                if v is not None:
+                    local[name] = v
+        info = getattr(m, "tp_info", None)
+        experts = {n for n, q in unique_parameters(m) if any(q is e for e in setup.expert_params)}
+        for name, t in local.items():
+            if name in experts:  # each rank holds E/ep of the stacked experts
+                t = _gather(setup, "ep", t, 0, None)
+            if info is None:
+                out[getattr(m, "full_name", lambda n: n)(name)] = t.cpu().clone()
+            else:
+                full, dim, size = info.shards[name]
+                out[full] = _gather(setup, "tp", t, dim, size)
+    if "tok_emb.weight" in out and setup.cfg.model_config.tie_embeddings:
+        if any(getattr(m, "head", None) is not None for m in setup.stages.values()):
+            out.setdefault("head.weight", out["tok_emb.weight"])  # one parameter, two names
+    return out
+
+
+def _gather(setup: RankSetup, axis: str, t: torch.Tensor, dim, size) -> torch.Tensor:
+    """A shard rebuilt to its full shape: all-gathered over the ``axis`` group along ``dim``
+    and cut to ``size`` (tensor parallelism's vocabulary padding dropped; ``None`` keeps
+    all). ``dim=None`` or a degree-1 axis returns ``t`` as it is."""
+    n = setup.mg.size(axis)
+    if dim is None or n == 1:
+        return t.float().cpu().clone()
+    x = t.transpose(0, dim).contiguous() if dim else t.contiguous()
+    buf = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(buf, x, group=setup.mg.group(axis), axis=axis)
+    buf = buf.transpose(0, dim) if dim else buf
+    return (buf if size is None else buf.narrow(dim, 0, size)).float().cpu().clone()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as a plain fp32 tensor on its device (FSDP2's DTensors
+    gathered)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().float()
+
+
+def _rank_state(setup: RankSetup) -> dict:
+    return _named(setup, _full, lambda w: w.full_state_dict())
+
+
+def _grab_grads(setup: RankSetup, out: dict):
+    def grab(step: int) -> None:
+        if step == 0:
+            out["grads"] = _named(setup, lambda p: None if p.grad is None else _full(p.grad),
+                                  lambda w: w.full_grads())
+    return grab
+
+
+def token_groups(cfg) -> torch.Tensor:
+    """Which forward of the parallel run sees each token of a global batch: int64
+    ``(global_batch, S)``, one id per (data rank, microbatch, context rank). A
+    mixture-of-experts layer's load-balancing loss and capacity are computed per group, so
+    the single-process reference groups tokens exactly as the ranks do."""
+    from ..parallel.context.layout import chunk_ids, n_chunks
+
+    mc, p = cfg.model_config, cfg.parallel
+    b, s = cfg.global_batch, mc.seq_len
+    row = torch.arange(b)
+    micro_id = (row % cfg.local_batch) // cfg.micro + (row // cfg.local_batch) * cfg.accum_steps
+    owner = torch.zeros(s, dtype=torch.long)
+    if p.cp > 1:
+        chunk = s // n_chunks(p.cp, cfg.cp_zigzag)
+        for r in range(p.cp):
+            for c in chunk_ids(r, p.cp, cfg.cp_zigzag):
+                owner[c * chunk:(c + 1) * chunk] = r
+    return micro_id[:, None] * p.cp + owner[None, :]
+
+
+def reference(cfg, device: str = "cpu") -> dict:
+    """Single-process training on the same global batches: ``{"losses", "state",
+    "grads"}`` — ``state`` the final parameters and ``grads`` the first step's gradients,
+    by name (every name of the model, a tied head under both names).
+
+    No communication, no wrapper, no checkpointing, fp32: the ground truth.
+    """
+    mc = cfg.model_config
+    model = build_model(mc, device=device, seed=cfg.seed)
+    if mc.n_experts:
+        from ..models.moe import set_token_groups
+
+        set_token_groups(model, token_groups(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            eps=cfg.adam_eps)
+    losses, grads = [], {}
+    for s in range(cfg.steps):
+        x, y = make_batch(cfg, s)
+        loss = model(x.to(device), y.to(device))
+        loss.backward()
+        if s == 0:
+            grads = {n: p.grad.detach().float().cpu().clone()
+                     for n, p in model.named_parameters(remove_duplicate=False)}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = {n: p.detach().float().cpu().clone()
+             for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "state": state, "grads": grads}

@@ -1,0 +1,263 @@
+"""Every rule a :class:`~labkit.config.RunConfig` must satisfy, checked before launch.
+
+:func:`validate_run` raises ``ValueError`` naming the field and the numbers, in the caller,
+before any rank process is touched (DESIGN.md §3). The rules, in the order they are checked:
+
+1. **Fields**: types and ranges (positive degrees and batch sizes, ``lr > 0``, known
+   names for modes, schedules, policies, precisions).
+2. **Mesh**: ``dp·tp·pp·cp`` ranks fit the cluster; ``ep`` divides ``dp·cp`` (it is a view
+   over those ranks); HSDP replicas divide ``dp``.
+3. **Batch**: ``global_batch`` divides by ``dp``, the local batch by ``micro_batch``, the
+   step's microbatches by the pipeline flush's ``microbatches``.
+4. **Shapes**: layers by ``pp·V`` (each rank ``V`` equal stages), and what tensor, context
+   and expert parallelism need of heads, widths, sequence and experts.
+5. **Schedules**: each schedule's own limits (interleaved's ``M`` vs ``P``), and PyTorch's
+   schedules' rules for ``impl="torch"`` (1F1B needs ``M >= P``; interleaved and ZB-V need
+   ``M`` a multiple of ``max(1, M // P)`` rounds; ZB-V exactly 2 stages per rank).
+6. **Composition**: a field the composition cannot honour is refused, never ignored —
+   ZeRO knobs without ZeRO, pipeline knobs without a pipeline, DDP knobs with ZeRO, the
+   zero-bubble ``W`` pass with ZeRO's flat units, PyTorch references for more than one
+   parallelism at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+__all__ = ["validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
+
+#: mirrors labkit.parallel.checkpoint.policy.POLICIES (kept here so validation needs no torch)
+CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
+PRECISIONS = ("fp32", "bf16")
+CP_METHODS = ("ring", "ulysses", "allgather")
+
+
+def _int(cfg, name: str, low: int = 1) -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+
+
+def _number(v, name: str, low: float, strict: bool) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or (v <= low if strict else v < low):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, "
+                         f"got {v!r}")
+
+
+def default(cfg, name: str):
+    """The default of field ``name`` of ``cfg``'s dataclass (what "left alone" means)."""
+    f = {f.name: f for f in dataclasses.fields(cfg)}[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _refuse_unless(cfg, cond: bool, names: tuple, why: str) -> None:
+    """Refuse a non-default value of any of ``names`` unless ``cond``: a field that would
+    be ignored is an error, never a silent no-op."""
+    if cond:
+        return
+    for name in names:
+        v = getattr(cfg, name)
+        if v != default(cfg, name):
+            raise ValueError(f"{name}={v!r} has no effect here: {why}")
+
+
+def validate_run(cfg, world_size: Optional[int] = None) -> None:
+    """Check ``cfg`` for a cluster of ``world_size`` ranks (``None``: any size).
+
+    Raises:
+        ValueError: the first rule broken, naming the field(s) and the numbers.
+    """
+    _fields(cfg)
+    mc = cfg.model_config
+    p = cfg.parallel
+    # -- mesh ---------------------------------------------------------------------------
+    if world_size is not None and p.world_size > world_size:
+        raise ValueError(f"parallel degrees need dp x tp x pp x cp = {p.dp} x {p.tp} x {p.pp} "
+                         f"x {p.cp} = {p.world_size} ranks but the cluster has "
+                         f"world_size={world_size}")
+    if (p.dp * p.cp) % p.ep:
+        raise ValueError(f"ep={p.ep} must divide the data ranks dp x cp = {p.dp} x {p.cp} = "
+                         f"{p.dp * p.cp}: expert parallelism is a view over them")
+    if p.dp % cfg.hsdp_replicas:
+        raise ValueError(f"hsdp_replicas={cfg.hsdp_replicas} does not divide dp={p.dp} "
+                         f"(HSDP needs M replica groups of dp/M shards)")
+    # -- batch --------------------------------------------------------------------------
+    if cfg.global_batch % p.dp:
+        raise ValueError(f"global_batch={cfg.global_batch} is not divisible by dp={p.dp}: "
+                         "every data-parallel rank needs the same number of samples")
+    if cfg.local_batch % cfg.micro:
+        raise ValueError(f"global_batch={cfg.global_batch} is not divisible by dp x "
+                         f"micro_batch = {p.dp} x {cfg.micro} = {p.dp * cfg.micro}")
+    _model(cfg, mc)
+    _pipeline(cfg, mc)
+    _composition(cfg, mc)
+
+
+def _fields(cfg) -> None:
+    cfg.model_config.validate()
+    if cfg.planning_only:
+        raise ValueError(f"model preset {cfg.model!r} is for planning and counting only "
+                         "(labkit.plan); train 'tiny', 'small' or 'gpt2-124m'")
+    cfg.parallel.validate()
+    for name in ("steps", "global_batch", "checkpoint_every"):
+        _int(cfg, name)
+    for name in ("micro_batch", "microbatches", "virtual_stages"):
+        if getattr(cfg, name) is not None:
+            _int(cfg, name)
+    _int(cfg, "hsdp_replicas")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {cfg.seed!r}")
+    _number(cfg.lr, "lr", 0, strict=True)
+    _number(cfg.weight_decay, "weight_decay", 0, strict=False)
+    _number(cfg.adam_eps, "adam_eps", 0, strict=True)
+    _number(cfg.timeout_s, "timeout_s", 0, strict=True)
+    _number(cfg.bucket_mb, "bucket_mb", 0, strict=True)
+    if isinstance(cfg.zero_stage, bool) or cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage!r}")
+    choices = {"dataset": ("text", "digits"), "dp_mode": ("ddp", "naive"),
+               "checkpoint": CHECKPOINT_POLICIES, "precision": PRECISIONS,
+               "cp_method": CP_METHODS, "impl": ("labkit", "torch")}
+    for name, known in choices.items():
+        if getattr(cfg, name) not in known:
+            hint = (" (PyTorch DDP is impl='torch')" if name == "dp_mode"
+                    and cfg.dp_mode == "torch" else "")
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, known))}, got "
+                             f"{getattr(cfg, name)!r}{hint}")
+    for name in ("prefetch", "keep_last", "find_unused", "sequence_parallel", "cp_zigzag",
+                 "compile", "measure_memory", "count_flops", "return_state", "return_grads"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
+
+
+def _model(cfg, mc) -> None:
+    p = cfg.parallel
+    if (cfg.dataset == "digits") != (mc.kind == "vit"):
+        raise ValueError(f"dataset={cfg.dataset!r} does not fit model kind {mc.kind!r} "
+                         "(text goes with gpt, digits with vit)")
+    if mc.kind == "vit" and (p.pp, p.tp, p.cp, p.ep) != (1, 1, 1, 1):
+        raise ValueError(f"the ViT trains with data parallelism only; got pp={p.pp}, "
+                         f"tp={p.tp}, cp={p.cp}, ep={p.ep}")
+    if cfg.checkpoint == "every" and not 1 <= cfg.checkpoint_every <= mc.n_layers // cfg.n_stages:
+        raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
+                         f"the {mc.n_layers // cfg.n_stages} blocks of a stage "
+                         f"(n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
+    if p.tp > 1:
+        from .parallel.tensor.check import check_tensor_parallel
+
+        # with context parallelism the residual stream holds S/cp tokens of each sequence
+        check_tensor_parallel(mc, p.tp, cfg.sequence_parallel, seq_len=mc.seq_len // p.cp)
+    if p.cp > 1:
+        from .parallel.context.core import check_context_parallel
+
+        check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)
+    if p.ep > 1 or mc.n_experts:
+        from .parallel.expert import check_expert_parallel
+
+        check_expert_parallel(mc, p.ep, p.dp * p.cp)
+
+
+def _pipeline(cfg, mc) -> None:
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    from .parallel.pipeline.schedules import SCHEDULES, STAGES_PER_RANK
+
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; known schedules: "
+                         f"{', '.join(SCHEDULES)}")
+    if cfg.accum_steps % cfg.flush_microbatches:
+        raise ValueError(f"microbatches={cfg.flush_microbatches} per flush does not divide the "
+                         f"{cfg.accum_steps} microbatches of a step (local batch "
+                         f"{cfg.local_batch} / micro_batch {cfg.micro})")
+    v, layers = cfg.stages_per_rank, mc.n_layers
+    need = STAGES_PER_RANK.get(cfg.schedule)
+    if need is not None and v != need:
+        raise ValueError(f"schedule {cfg.schedule!r} runs {need} stage(s) per rank, got "
+                         f"virtual_stages={v}")
+    if cfg.n_stages > layers:
+        raise ValueError(f"pp x virtual_stages = {p.pp} x {v} = {cfg.n_stages} stages but the "
+                         f"model has n_layers={layers}: more stages than layers")
+    if layers % cfg.n_stages:
+        raise ValueError(f"n_layers={layers} does not split into pp x virtual_stages = "
+                         f"{p.pp} x {v} = {cfg.n_stages} equal stages")
+    cfg.build_schedule()  # the schedule's own limits (e.g. interleaved M vs P)
+    if cfg.impl == "torch":
+        _torch_schedule_rules(cfg)
+
+
+def _torch_schedule_rules(cfg) -> None:
+    """PyTorch's ``torch.distributed.pipelining`` schedules check these on the ranks; labkit
+    checks them before launch (torch 2.13, ``schedules.py``)."""
+    p, m = cfg.parallel.pp, cfg.flush_microbatches
+    if cfg.schedule not in ("gpipe", "1f1b", "interleaved", "zb-v"):
+        raise ValueError(f"impl='torch' runs gpipe, 1f1b or interleaved (Interleaved1F1B), "
+                         f"got schedule={cfg.schedule!r}")
+    if cfg.schedule == "1f1b" and m < p:
+        raise ValueError(f"PyTorch's Schedule1F1B needs microbatches >= pp: microbatches={m} "
+                         f"< pp={p}")
+    if cfg.schedule in ("interleaved", "zb-v"):
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(f"PyTorch's {cfg.schedule} schedule needs microbatches={m} to be "
+                             f"a multiple of max(1, microbatches // pp) = {rounds} rounds")
+    if cfg.schedule == "zb-v":
+        raise ValueError("impl='torch' with schedule='zb-v': PyTorch's ZBVZeroBubble fails on "
+                         "labkit's stages (its input-gradient pass finds a tensor unused in "
+                         "the graph); compare zb-v with impl='labkit' only")
+    if cfg.flushes != 1:
+        raise ValueError(f"impl='torch' runs one pipeline flush per step, got "
+                         f"{cfg.flushes} flushes ({cfg.accum_steps} microbatches of a step / "
+                         f"microbatches={cfg.flush_microbatches})")
+
+
+def _composition(cfg, mc) -> None:
+    p, z = cfg.parallel, cfg.zero_stage
+    _refuse_unless(cfg, p.pp > 1, ("schedule", "microbatches", "virtual_stages"),
+                   "it is a pipeline setting and pp=1")
+    _refuse_unless(cfg, p.tp > 1, ("sequence_parallel",), "sequence parallelism needs tp > 1")
+    _refuse_unless(cfg, p.cp > 1, ("cp_method", "cp_zigzag"), "context parallelism is off (cp=1)")
+    _refuse_unless(cfg, z >= 1, ("hsdp_replicas",), "HSDP needs zero_stage 1-3 (stage 0 is "
+                   "plain data parallelism over all data ranks)")
+    _refuse_unless(cfg, z == 3, ("prefetch", "keep_last"), "it is a ZeRO-3/FSDP setting and "
+                   f"zero_stage={z}")
+    _refuse_unless(cfg, z == 0, ("dp_mode", "find_unused"), f"zero_stage={z} shards with "
+                   "flat units (they reduce zeros for unused parameters themselves)")
+    _refuse_unless(cfg, z == 0 and cfg.dp_mode == "ddp", ("bucket_mb",),
+                   "buckets exist only in dp_mode='ddp' at zero_stage=0")
+    _refuse_unless(cfg, cfg.checkpoint == "every", ("checkpoint_every",),
+                   f"it sets the segment length of checkpoint='every' (got {cfg.checkpoint!r})")
+    if p.pp > 1 and z >= 1 and cfg.schedule in ("zb-h1", "zb-v"):
+        raise ValueError(f"schedule={cfg.schedule!r} with zero_stage={z}: the zero-bubble W "
+                         "pass writes weight gradients outside autograd, but ZeRO's flat units "
+                         "collect them through autograd; use zero_stage=0 or another schedule")
+    if (p.pp > 1 and z >= 1 and cfg.precision == "bf16" and mc.kind == "gpt"
+            and mc.tie_embeddings):
+        raise ValueError(f"zero_stage={z} with pp={p.pp}, precision='bf16' and a tied "
+                         "embedding: the tied copy stays outside the bf16 flat units (its two "
+                         "copies are summed across stages first), so the head would mix fp32 "
+                         "and bf16; use tie_embeddings=False, precision='fp32' or zero_stage=0")
+    if cfg.impl == "torch":
+        used = [name for name, on in (("data parallelism", p.dp > 1 or z > 0),
+                                      ("pipeline parallelism", p.pp > 1),
+                                      ("tensor parallelism", p.tp > 1),
+                                      ("context parallelism", p.cp > 1)) if on]
+        if len(used) != 1 or p.cp > 1 or p.tp > 1:
+            raise ValueError(f"impl='torch' runs PyTorch's own version of ONE parallelism "
+                             f"(DDP, FSDP2 or pipelining) as a reference; this run uses "
+                             f"{' and '.join(used) or 'none'} (PyTorch's tensor parallelism "
+                             "is compared in tests/test_tensor_parallel.py; its context "
+                             "parallelism does not run on CPU)")
+        if z in (1, 2):
+            raise ValueError(f"impl='torch' has no ZeRO-{z}: PyTorch's references are DDP "
+                             "(zero_stage=0) and FSDP2 fully_shard (zero_stage=3)")
+        if z == 0 and cfg.dp_mode != "ddp":
+            raise ValueError("impl='torch' at zero_stage=0 is PyTorch DDP; dp_mode must be 'ddp'")
+        if cfg.compile or cfg.checkpoint != "none" or cfg.precision != "fp32":
+            raise ValueError("impl='torch' is a plain fp32 reference: compile, checkpoint and "
+                             "precision stay at their defaults")
+    if cfg.compile and z == 3:
+        raise ValueError("compile=True with zero_stage=3: labkit's FSDP re-installs parameter "
+                         "views on every forward, which torch.compile would re-trace; use "
+                         "zero_stage 0-2")

@@ -1,0 +1,127 @@
+"""The notebooks' prose against what the widgets draw (no kernel, no ranks).
+
+* Every colour a markdown cell names must be the colour of the legend entry it describes
+  ("the mauve all-reduce bars"): the colour word is paired with the nearest legend term in
+  the same clause and checked against ``labkit_widgets._style.COLOR_NAMES``.
+* No notebook ends by closing its cluster: the first click on a view after Run All must find
+  warm ranks, not pay a cold start.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit_widgets import _style as S
+from labkit_widgets.checkpoint_view import ALIVE, OP_COLORS
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def legend_colors() -> dict:
+    """Legend term as prose writes it -> the set of colours it has in some view."""
+    terms: dict = {}
+
+    def add(term, color):
+        terms.setdefault(term, set()).add(color.upper())
+
+    for fam, c in S.COMPUTE_COLORS.items():
+        add(fam, c)
+    for op, c in S.COMM_COLORS.items():
+        add(op.replace("_", "-"), c)
+        add(op, c)
+    for term in ("send", "recv", "send/recv"):
+        add(term, S.COMM_COLORS["p2p"])
+    add("blocked", S.BLOCKED_COLOR)
+    for cat, c in S.MEMORY_COLORS.items():
+        add(cat, c)
+    for op, c in OP_COLORS.items():
+        add(op, c)
+    add("stored", ALIVE)
+    return terms
+
+
+COLOR_WORDS = sorted({w for names in S.COLOR_NAMES.values() for w in names}, key=len,
+                     reverse=True)
+_COLOR_RE = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, COLOR_WORDS)) + r")(?![\w-])",
+                       re.I)
+# clauses: a colour and the thing it names sit in one clause
+_CLAUSE_RE = re.compile(r"(?<=[.;:!?])\s+|\n\s*\n")
+
+
+def named_colors(text: str, terms: dict) -> list:
+    """``[(colour word, legend term, clause)]`` for every colour named next to a legend term."""
+    term_re = re.compile(r"(?<![\w-])(" + "|".join(
+        map(re.escape, sorted(terms, key=len, reverse=True))) + r")(?![\w-])", re.I)
+    found = []
+    for clause in _CLAUSE_RE.split(text):
+        colours = [(m.start(), m.group(1).lower()) for m in _COLOR_RE.finditer(clause)]
+        taken = {(m.start(), m.end()) for m in _COLOR_RE.finditer(clause)}
+        things = [(m.start(), m.group(1).lower()) for m in term_re.finditer(clause)
+                  if not any(a <= m.start() < b for a, b in taken)]
+        for pos, word in colours:
+            if things:
+                _, term = min(things, key=lambda t: abs(t[0] - pos))
+                found.append((word, term, clause.strip()))
+    return found
+
+
+def _markdown(nb_path: Path) -> list:
+    nb = nbformat.read(nb_path, as_version=4)
+    return [c.source for c in nb.cells if c.cell_type == "markdown"]
+
+
+def test_pairing_finds_the_named_thing():
+    terms = legend_colors()
+    pairs = named_colors("Pick step 2: the mauve all-reduce bars start inside the orange "
+                         "backward bar; the grey bars are the time the rank sat blocked.", terms)
+    assert [(w, t) for w, t, _ in pairs] == [("mauve", "all-reduce"), ("orange", "backward"),
+                                             ("grey", "blocked")]
+
+
+def _wrong(pairs, terms) -> list:
+    bad = []
+    for word, term, clause in pairs:
+        names = {n for c in terms[term] for n in S.COLOR_NAMES.get(c, ())}
+        if word not in names:
+            bad.append(f"{word!r} for {term!r} (its colour is called "
+                       f"{' / '.join(sorted(names)) or 'nothing'}): {clause[:120]}")
+    return bad
+
+
+def test_the_check_catches_a_wrong_colour():
+    """The two sentences a reader found wrong in the browser must fail the check."""
+    terms = legend_colors()
+    for text in ("the blue all-reduce bars of the bucketed run start inside the backward bar",
+                 "the grey bars are the time the rank sat blocked (issuing or waiting)"):
+        assert _wrong(named_colors(text, terms), terms), text
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_named_colours_match_the_legend(nb_path):
+    terms = legend_colors()
+    bad = [b for text in _markdown(nb_path) for b in _wrong(named_colors(text, terms), terms)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_colour_has_a_prose_name():
+    used = set(S.COMPUTE_COLORS.values()) | set(S.COMM_COLORS.values()) | {S.BLOCKED_COLOR} \
+        | set(S.MEMORY_COLORS.values()) | set(OP_COLORS.values()) | {ALIVE}
+    assert {c.upper() for c in used} <= {c.upper() for c in S.COLOR_NAMES}
+
+
+# notebook 08 is being reworked with the pipeline views; it still closes its cluster
+_STILL_CLOSING = {"08_pipeline_parallel"}
+
+
+@pytest.mark.parametrize("nb_path", [
+    pytest.param(p, marks=pytest.mark.xfail(reason="still ends with cluster.close()"))
+    if p.stem in _STILL_CLOSING else p for p in NOTEBOOKS], ids=lambda p: p.stem)
+def test_notebook_leaves_its_cluster_warm(nb_path):
+    nb = nbformat.read(nb_path, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    assert code and not re.search(r"\.close\(\)\s*$", code[-1]), (
+        f"{nb_path.name} ends with {code[-1]!r}: the first widget click after Run All would "
+        "pay a cold start; kernel shutdown stops the ranks anyway")

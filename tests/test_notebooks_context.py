@@ -1,0 +1,108 @@
+"""notebooks/07_context_parallel.ipynb as stored: what its checked cells expect.
+
+nbval (``make test``) re-runs the notebook and compares each ``# NBVAL_CHECK_OUTPUT`` cell's
+output with the stored one. That only proves the output did not change: a stored ``False``
+would be compared against a fresh ``False`` and pass. These pure tests read the stored
+notebook and check that the expected outputs are the right ones (every measured number
+equal to its formula, parity, claims C28 and C29) and that nothing else is stored.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NB = Path(__file__).resolve().parents[1] / "notebooks" / "07_context_parallel.ipynb"
+MARK = "NBVAL_CHECK_OUTPUT"
+
+
+@pytest.fixture(scope="module")
+def cells():
+    return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+def _checked(cells) -> list:
+    return [c for c in cells if MARK in c.source]
+
+
+def _checked_output(cells, needle: str) -> str:
+    """The stored output of the one checked cell whose source contains ``needle``."""
+    found = [c for c in _checked(cells) if needle in c.source]
+    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
+    return _text(found[0])
+
+
+def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):
+    checked = _checked(cells)
+    assert len(checked) >= 8
+    for c in checked:
+        assert _text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
+        assert all(o.get("output_type") == "stream" for o in c.outputs)
+    for c in cells:
+        if MARK not in c.source:
+            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
+
+
+def test_stored_expectations_are_passes(cells):
+    text = "\n".join(_text(c) for c in _checked(cells))
+    assert not re.search(r"\bFalse\b|MISMATCH|\bnan\b|≠", text), text
+
+
+def test_activation_memory_matches_the_count_and_divides_by_cp(cells):
+    out = _checked_output(cells, "activations_formula(mc, 2)")
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s", line)]
+    assert [r[0] for r in rows] == ["128", "256", "512"]
+    assert all(r[1] == r[2] and r[3] == "1.0000" for r in rows)   # measured == formula
+    assert len({r[4] for r in rows}) == 1                          # bytes per token: linear in S
+    out = _checked_output(cells, 'runs["ring", cp] = cluster.run')
+    ratios = {int(line.split()[0]): float(line.split()[-1])
+              for line in out.splitlines() if re.match(r"\s*[24]\s", line)}
+    assert ratios[2] == pytest.approx(1 / 2, abs=0.005) and ratios[4] == pytest.approx(1 / 4, abs=0.005)
+
+
+def test_c28_shards_and_ulysses_refusal(cells):  # claim C28
+    out = _checked_output(cells, "rank_batch(cfg")
+    for r in range(4):
+        assert f"rank {r}: tokens (2, 128), hidden (2, 128, 64), chunks ({r}, {7 - r}) of 8" in out
+    out = _checked_output(cells, "gqa = ModelConfig")
+    assert "ValueError: Ulysses" in out and "cp=4" in out and "accepted" in out
+
+
+def test_traffic_work_and_parity_equal_their_references(cells):
+    out = _checked_output(cells, "every rank's bytes == formula")
+    assert out.count("every rank's bytes == formula: True") == 3
+    out = _checked_output(cells, "closed form == counted")
+    assert out.count("closed form == counted: True") == 2
+    assert "imbalance (max/mean) 1.0000" in out and "imbalance (max/mean) 1.74" in out
+    out = _checked_output(cells, "runs checked")
+    assert "within 1e-5 of one process: True" in out
+    out = _checked_output(cells, "cp_alone")
+    assert out.count(": True") == 2 and "8 ranks but the cluster has world_size=4" in out
+
+
+def test_views_replay_the_ring_and_ulysses(cells):
+    out = _checked_output(cells, "for v in (view, ulysses)")
+    assert out.count("ring step") == 4 and out.count("all-to-all") == 3
+
+
+def test_c29_tokens_per_gpu_and_the_planner_rows(cells):  # claim C29
+    out = _checked_output(cells, "tokens_per_rank(131072, 16)")
+    assert "tokens_per_rank(131072, 16) = 8,192" in out
+    rows = {line[:12].strip(): line[12:].split() for line in out.splitlines()
+            if line.startswith(("8K", "128K"))}
+    assert rows["128K, CP 16"][1] == rows["8K, no CP"][1] == "8,192"   # tokens per GPU
+    assert rows["128K, CP 16"][2:6] == rows["8K, no CP"][2:6]          # same memory
+    assert rows["128K, no CP"][1] == "131,072" and rows["128K, no CP"][2] == "1"
+
+
+def test_the_cluster_outlives_the_notebook(cells):
+    """Widgets re-run on the warm pool after the last cell; kernel shutdown stops it."""
+    source = "\n".join(c.source for c in cells)
+    assert "lk.Cluster(4)" in source
+    assert ".close()" not in source

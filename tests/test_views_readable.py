@@ -1,0 +1,243 @@
+"""TimelineView, CheckpointView and CollectiveView say what they show (headless checks).
+
+The layout in a real browser (no output wider than its cell, no clipped labels) is checked
+by tests/browser/test_notebook_layout.py; here, the data and state behind it: the step menu
+is never blank, the title's milliseconds are the step's own length, back-to-back calls are
+told apart, instrumented steps are marked, the greyed C slider shows the C in use, tick
+labels thin out at N = 64, arrows never lie on top of each other, the recursive-doubling
+label gives the non-power-of-two rule, and a view follows a cluster that was replaced,
+saying "starting ranks…" while it waits.
+"""
+from __future__ import annotations
+
+import html
+
+import pytest
+
+import labkit
+from labkit.trace import Event, Trace, Tracer, use_tracer
+
+
+def _traces(fig) -> dict:
+    return {t.name: t for t in fig.data}
+
+
+def _stepped_trace(flag_step=None) -> Trace:
+    """2 ranks x 3 steps 50 ms apart: a 10 ms forward, then 20 back-to-back all-reduces."""
+    ev = []
+    for s in range(3):
+        for r in range(2):
+            b = 0.1 + s * 0.05
+            ev.append(Event(r, "forward", "compute", b, b + 0.010, s))
+            for k in range(20):
+                t = b + 0.010 + k * 0.001
+                ev.append(Event(r, "all_reduce", "comm", t, t + 0.001, s, op="all_reduce",
+                                bytes_sent=64))
+    if flag_step is not None:
+        b = 0.1 + flag_step * 0.05
+        ev.append(Event(0, "instrumented: memory", "mark", b, b, flag_step,
+                        args={"instrumented": "memory"}))
+    return Trace(ev)
+
+
+# --------------------------------------------------------------------------- timeline
+def test_step_menu_is_never_blank_and_the_title_gives_the_step_length():
+    from labkit_widgets import TimelineView
+
+    tv = TimelineView(_stepped_trace())
+    sel = tv.step_selector
+    assert sel.index == 0 and sel.label == "all steps" and tv.step is None
+    assert sel.tooltip  # a real tooltip, never the string "null"
+    tv.step = 2
+    assert sel.label == "step 2"
+    title = tv.fig.layout.title.text
+    # step 2 runs from 100 to 130 ms after the first event: 30 ms long, not "130 ms"
+    assert title.startswith("step 2: 30.0 ms long (from 100.0 ms)"), title
+    assert tuple(tv.fig.layout.xaxis.range) == pytest.approx((99.4, 130.6))
+    tv.update(_stepped_trace())  # a re-run keeps the chosen step
+    assert tv.step == 2 and sel.label == "step 2"
+    tv.step = None
+    assert sel.index == 0 and tv.fig.layout.xaxis.autorange
+
+
+def test_twenty_back_to_back_all_reduces_alternate_in_shade():
+    from labkit_widgets import TimelineView
+
+    ar = _traces(TimelineView(_stepped_trace()).fig)["all-reduce"]
+    calls = sorted(zip(ar.y, ar.base, ar.marker.opacity))
+    for lane in {y for y, _, _ in calls}:
+        shades = [o for y, _, o in calls if y == lane]
+        assert len(shades) == 60
+        assert all(a != b for a, b in zip(shades, shades[1:])), "neighbours look the same"
+
+
+def test_instrumented_step_is_shaded_named_and_not_drawn_as_a_bar():
+    from labkit_widgets import TimelineView
+
+    tv = TimelineView(_stepped_trace(flag_step=2))
+    labels = [label for label, _ in tv.step_selector.options]
+    assert labels == ["all steps", "step 0", "step 1", "step 2 (memory-tracked)"]
+    (shade,) = tv.fig.layout.shapes
+    assert (shade.x0, shade.x1) == pytest.approx((100.0, 130.0))
+    assert "memory-tracked" in tv.fig.layout.annotations[0].text
+    assert "memory-tracked" in tv.fig.layout.title.text
+    assert sum(len(d.x) for d in tv.fig.data) == 2 * 3 * 21  # the mark is not a bar
+    tv.step = 1
+    assert not tv.fig.layout.shapes and "memory" not in tv.fig.layout.title.text
+    tv.step = 2
+    assert len(tv.fig.layout.shapes) == 1 and "not a step time" in tv.fig.layout.title.text
+
+
+def test_the_memory_tracker_flags_the_step_it_measures():
+    """The job side: measure_memory flags its step, whatever job calls it."""
+    import torch
+
+    from labkit.measure.memory import measure_memory
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = Tracer(0)
+    with use_tracer(tracer):
+        for s in range(3):
+            tracer.step = s
+            with tracer.region("forward"):
+                loss = model(torch.ones(2, 4)).sum()
+            if s == 2:
+                measure_memory(lambda: (loss.backward(), opt.step()), model, opt)
+    assert Trace(tracer.events).instrumented_steps() == {2: "memory"}
+
+
+def test_legend_fits_the_figure_height():
+    from labkit_widgets.timeline import _legend_height, timeline_traces
+
+    ev = [Event(0, n, "compute", 0.0, 0.001, 0) for n in ("forward", "backward",
+                                                           "optimizer", "data")]
+    ev += [Event(0, op, "comm", 0.0, 0.001, 0, op=op)
+           for op in ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast")]
+    ev.append(Event(0, "wait", "wait", 0.0, 0.001, 0))
+    cols, layout = timeline_traces(Trace(ev))
+    legend = _legend_height(cols)
+    assert legend >= 21 * 10 + 24 * 2
+    margins = 64 + 40  # top + bottom of _base_layout
+    assert layout["height"] - margins >= legend - 14  # the plot area holds the legend
+
+
+# --------------------------------------------------------------------------- checkpoint
+def test_greyed_c_slider_shows_the_c_the_status_names():
+    from labkit_widgets import CheckpointView
+
+    view = CheckpointView(n_layers=8, strategy="every", every=2)
+    c = view.controls["every"]
+    assert not c.disabled and c.value == 2
+    for strategy, n, want in (("sqrt", 8, 3), ("full", 64, 64), ("sqrt", 64, 8)):
+        view.set(strategy=strategy, n_layers=n)
+        text = html.unescape(view.status.value)
+        assert c.disabled and c.value == want and f"C={want}" in text, (strategy, n, text)
+    view.set(strategy="every", n_layers=8)  # the C you chose comes back
+    assert not c.disabled and c.value == 2 and "C=2" in html.unescape(view.status.value)
+    assert all(w.tooltip for w in view.controls.values())
+
+
+def test_chain_tick_labels_thin_out_at_n_64():
+    from labkit_widgets import CheckpointView
+
+    view = CheckpointView(n_layers=8, strategy="sqrt")
+    assert view.fig.layout.xaxis.dtick == 1
+    view.set(n_layers=64)
+    ax = view.fig.layout.xaxis
+    labels = int((ax.range[1] - max(ax.range[0], 0)) // ax.dtick) + 1
+    assert labels <= 17, labels
+    assert view.fig.data[0].marker.size * 65 <= 600  # squares fit side by side
+
+
+def test_two_views_keep_their_own_strategy():
+    from labkit_widgets import CheckpointView
+
+    full, sqrt = CheckpointView(n_layers=8, strategy="full"), CheckpointView(n_layers=8,
+                                                                             strategy="sqrt")
+    assert full.result.schedule.strategy == "full" and sqrt.result.schedule.strategy == "sqrt"
+
+
+# --------------------------------------------------------------------------- collectives
+def test_arrow_lanes_separate_overlapping_vertical_arrows():
+    from labkit_widgets.collective_view import arrow_offsets
+
+    # broadcast round 2 on 4 ranks, one chunk column: 0->2 and 1->3 overlap on rows 1-2
+    dx = arrow_offsets([(5, 0, 5, 2), (5, 1, 5, 3)])
+    assert dx[0] != dx[1]
+    # an exchange: both directions on the same rows
+    dx = arrow_offsets([(5, 0, 5, 1), (5, 1, 5, 0), (5, 2, 5, 3), (5, 3, 5, 2)])
+    assert dx[0] != dx[1] and dx[2] != dx[3]
+    # disjoint spans share the centre; arrows between columns are left alone
+    assert arrow_offsets([(5, 0, 5, 1), (5, 2, 5, 3)]) == [0.0, 0.0]
+    assert arrow_offsets([(1, 0, 6, 1), (2, 1, 7, 0)]) == [0.0, 0.0]
+
+
+def _segments(frame) -> list:
+    return [(a["ax"], a["ay"], a["x"], a["y"]) for a in frame["annotations"]
+            if a.get("showarrow")]
+
+
+def _overlapping(segs) -> list:
+    bad = []
+    for i, (ax, ay, x, y) in enumerate(segs):
+        for bx, by, x2, y2 in segs[i + 1:]:
+            if ax == x and bx == x2 and abs(ax - bx) < 1e-9:
+                lo1, hi1 = sorted((ay, y))
+                lo2, hi2 = sorted((by, y2))
+                if min(hi1, hi2) > max(lo1, lo2):
+                    bad.append(((ax, ay, x, y), (bx, by, x2, y2)))
+    return bad
+
+
+@pytest.mark.distributed
+def test_recorded_single_column_arrows_do_not_overlap(cluster4):
+    from labkit.collectives import jobs
+    from labkit_widgets.collective_view import collective_frame
+
+    for op, algo in (("broadcast", "tree"), ("all_reduce", "recursive_doubling")):
+        rec = jobs.run(cluster4, op, algo, 4).recording
+        for step in range(1, rec.steps + 1):
+            segs = _segments(collective_frame(rec, step))
+            assert segs and not _overlapping(segs), (op, step, segs)
+
+
+def test_recursive_doubling_label_at_non_power_of_two():
+    from labkit.collectives import formula_bytes, formula_text
+
+    assert formula_text("all_reduce", "recursive_doubling", 4) == "log2(N)·S"
+    three = formula_text("all_reduce", "recursive_doubling", 3)
+    assert "log2(N)·S" not in three and "p=2" in three and "ranks 0–1" in three
+    assert [formula_bytes("all_reduce", 3, 24, "recursive_doubling", r)[0]
+            for r in range(3)] == [24, 48, 24]  # even S, odd (log2 p + 1)·S, the rest log2 p·S
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_collective_view_follows_a_replaced_cluster_and_says_starting():
+    from labkit_widgets import CollectiveView
+    from labkit_widgets._pool import STARTING
+
+    a = labkit.Cluster(2, threads_per_rank=1)
+    b = None
+    try:
+        seen: list = []
+        view = CollectiveView(a, op="all_reduce", algorithm="recursive_doubling")
+        view.status.observe(lambda ch: seen.append(html.unescape(ch["new"])), "value")
+        view.set(n=2)  # warm now
+        assert not any(STARTING in s for s in seen), seen
+        assert "N=2" in seen[-1] and "log2(N)·S" in seen[-1]
+        b = labkit.Cluster(2, threads_per_rank=1)  # the notebook's cluster cell, re-run
+        seen.clear()
+        view.set(op="all_gather")
+        assert any(STARTING in s for s in seen), seen  # a cold pool: the click says so
+        assert "following the newer cluster" in seen[-1] and "= formula" in seen[-1]
+        assert view.result.config.op == "all_gather" and a.replaced and not a.pids
+        assert b.state == "warm"  # the view's run started b's ranks
+        seen.clear()
+        view.rerun()
+        assert not any(STARTING in s for s in seen) and "= formula" in seen[-1]
+    finally:
+        for c in (a, b):
+            if c is not None:
+                c.close()
