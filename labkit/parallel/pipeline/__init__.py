@@ -17,7 +17,8 @@ Importing this package does not import torch (the executor and jobs do, when imp
 """
 from .actions import Action, Schedule
 from .bubble import BubbleReport, measure_bubble
-from .config import PP_BALANCED, PP_TINY, PipelineConfig
+from .config import PipelineConfig
+from .presets import PP_BALANCED, PP_TINY
 from .schedules import SCHEDULES, build, with_comms
 from .simulate import ScheduleError, SimResult, simulate
 

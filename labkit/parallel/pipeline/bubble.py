@@ -54,10 +54,14 @@ __all__ = ["BubbleReport", "measure_bubble", "overheads", "stage_costs", "bubble
 KINDS = ("F", "B", "W", "BW")
 
 
-def _spans(trace, skip_steps: int) -> list:
+def _spans(trace, skip_steps: int, instrumented: bool = False) -> list:
+    """Pipeline compute spans at steps ``>= skip_steps``; a step run under the memory
+    tracker (``instrumented`` in its args: its spans stretch several-fold) only with
+    ``instrumented=True``."""
     events = trace.events if hasattr(trace, "events") else trace
     return [e for e in events if e.cat == "compute" and e.name in KINDS
-            and "stage" in e.args and e.step >= skip_steps]
+            and "stage" in e.args and e.step >= skip_steps
+            and (instrumented or "instrumented" not in e.args)]
 
 
 def stage_costs(trace, schedule: Schedule, skip_steps: int = 1, cpu: bool = False) -> dict:
@@ -226,7 +230,8 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
                    comm: float = 0.0) -> BubbleReport:
     """Bubble of the flushes recorded in ``trace`` (a :class:`~labkit.trace.Trace`, or a
     list of events) at steps ``>= skip_steps`` (step 0 pays one-off allocation costs; when
-    it is the only step, it is used). ``comm`` (seconds, e.g. the job's measured
+    it is the only step, it is used; a step run under the memory tracker is left out
+    unless nothing else ran). ``comm`` (seconds, e.g. the job's measured
     ``p2p_latency_s``) is added to every cross-rank hop of the prediction.
 
     Raises:
@@ -300,7 +305,7 @@ def _measured_spans(trace, skip_steps: int) -> tuple:
     spans = _spans(trace, skip_steps)
     if spans:
         return spans, skip_steps
-    every = _spans(trace, 0)
+    every = _spans(trace, 0) or _spans(trace, 0, instrumented=True)
     if not every:
         raise ValueError("no pipeline compute spans (F/B/W/BW with a 'stage' arg) in the trace")
     steps = sorted({e.step for e in every})
