@@ -27,10 +27,12 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.parallel.pipeline import jobs as pj
+from labkit import jobs
+from labkit.config import RunConfig
 from labkit.parallel.pipeline.actions import Action
 from labkit.parallel.pipeline.bubble import BubbleReport, measure_bubble
-from labkit.parallel.pipeline.config import PipelineConfig
+from labkit.parallel.pipeline.presets import PP_TINY
+from labkit.parallel.pipeline.report import pipeline_trace
 from labkit.parallel.pipeline.schedules import SCHEDULES
 from labkit.parallel.pipeline.simulate import Span, simulate
 
@@ -53,10 +55,14 @@ FRAMES = 40
 
 
 def measured_spans(trace, step: Optional[int] = None, flush: int = 0) -> list:
-    """The compute spans of one flush (default: the last step) as simulator
-    :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from the flush's start."""
-    ev = [e for e in trace.events if e.cat == "compute" and e.name in KINDS
+    """The compute spans of one flush (default: the last step not run under the memory
+    tracker) as simulator :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from
+    the flush's start. ``trace``: a Trace or a list of events."""
+    events = trace.events if hasattr(trace, "events") else trace
+    ev = [e for e in events if e.cat == "compute" and e.name in KINDS
           and "stage" in e.args and e.args.get("flush", 0) == flush]
+    if step is None and any("instrumented" not in e.args for e in ev):
+        ev = [e for e in ev if "instrumented" not in e.args]
     if not ev:
         return []
     step = max(e.step for e in ev) if step is None else step
@@ -183,8 +189,10 @@ class PipelineView(StaticFigure, W.VBox):
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: simulation only).
         schedule, pp, microbatches, virtual_stages: the starting run.
-        config: a :class:`PipelineConfig` whose other fields (model, batch, steps) are kept.
-        result: show this ``RunResult`` of ``pipeline_train`` instead of running.
+        config: a :class:`~labkit.config.RunConfig` whose other fields (model, batch,
+            steps) are kept; default ``PP_TINY``, 5 steps (step 0 warms up, the last runs
+            under the memory tracker: 3 measured flushes show the spread).
+        result: show this ``RunResult`` of :func:`labkit.jobs.train` instead of running.
 
     Attributes:
         controls: ``schedule``/``pp``/``microbatches``/``virtual_stages`` widgets; ``play``
@@ -194,12 +202,11 @@ class PipelineView(StaticFigure, W.VBox):
 
     def __init__(self, cluster=None, schedule: str = "1f1b", pp: int = 4,
                  microbatches: int = 4, virtual_stages: int = 2, *,
-                 config: Optional[PipelineConfig] = None, result=None,
+                 config: Optional[RunConfig] = None, result=None,
                  interval_ms: int = 150, **kwargs):
         super().__init__(**kwargs)
         self.cluster, self.result, self.report = cluster, None, None
-        # 4 steps: step 0 (allocation) is skipped, 3 measured flushes show the spread
-        self.base = config or PipelineConfig(steps=4)
+        self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
         max_p = cluster.world_size if cluster is not None else 8
         opts = dict(continuous_update=False, style={"description_width": "60px"})
@@ -228,7 +235,7 @@ class PipelineView(StaticFigure, W.VBox):
         else:
             self.rerun()
 
-    def config(self) -> PipelineConfig:
+    def config(self) -> RunConfig:
         c = {k: w.value for k, w in self.controls.items()}
         v = c["virtual_stages"] if c["schedule"] == "interleaved" else None
         m = c["microbatches"]
@@ -264,25 +271,28 @@ class PipelineView(StaticFigure, W.VBox):
             self._scale = 1.0  # unit costs: the axis is in cost units
             self._draw()
             return self
-        self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.pp} "
-                                          f"M={cfg.microbatches} …", "busy")
-        return self.update(self.cluster.run(pj.pipeline_train, cfg), cfg)
+        self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.parallel.pp} "
+                                          f"M={cfg.flush_microbatches} …", "busy")
+        return self.update(self.cluster.run(jobs.train, cfg), cfg)
 
-    def update(self, result, cfg: Optional[PipelineConfig] = None) -> "PipelineView":
-        """Show a ``RunResult`` of ``pipeline_train``."""
+    def update(self, result, cfg: Optional[RunConfig] = None) -> "PipelineView":
+        """Show a ``RunResult`` of :func:`labkit.jobs.train` with ``pp > 1`` (with data
+        parallelism, its first pipeline)."""
         cfg = cfg or result.config
         self.result, sched = result, cfg.build_schedule()
-        lat = result.metrics[0].get("p2p_latency_s", 0.0)
-        self.report = rep = measure_bubble(result.trace, sched, comm=lat)
-        self.spans = measured_spans(result.trace)
+        lat = max((m.get("p2p_latency_s") or 0.0) for m in result.metrics)
+        trace = pipeline_trace(result.trace, cfg.mesh)
+        self.report = rep = measure_bubble(trace, sched, comm=lat)
+        self.spans = measured_spans(trace)
         self.sim_spans = rep.predicted.spans
-        self.status.value = status_table(rep, result.metrics)
+        self.status.value = status_table(
+            rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
         self._scale = 1e3  # seconds → ms
         self._draw()
         return self
 
     def _draw(self) -> None:
-        pp = self.config().pp
+        pp = self.config().parallel.pp
         end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
         until = end * self.time.value / FRAMES
         with self.fig.batch_update():
@@ -302,10 +312,11 @@ class PipelineView(StaticFigure, W.VBox):
             self.fig.layout.yaxis.visible = bool(self.spans)
             self.fig.layout.xaxis.range = self.fig.layout.xaxis2.range = [0, end * self._scale]
             cfg = self.config()
-            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.pp}, M={cfg.microbatches}, "
+            m = cfg.flush_microbatches
+            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.parallel.pp}, M={m}, "
                                           f"V={cfg.stages_per_rank}")
             for i in range(len(PALETTE)):  # one colour key per microbatch
-                self.fig.data[N_DATA + 1 + len(KINDS) + i].visible = i < cfg.microbatches
+                self.fig.data[N_DATA + 1 + len(KINDS) + i].visible = i < m
 
     def _on_control(self, _change) -> None:
         if not self._quiet:
@@ -313,4 +324,4 @@ class PipelineView(StaticFigure, W.VBox):
 
     def __repr__(self) -> str:
         c = self.config()
-        return f"PipelineView({c.schedule!r}, P={c.pp}, M={c.microbatches})"
+        return f"PipelineView({c.schedule!r}, P={c.parallel.pp}, M={c.flush_microbatches})"
