@@ -1,7 +1,9 @@
 """Measured vs simulated pipeline bubble for every schedule, P=4, M in {4, 8}, several runs.
 
-The measured bubble comes from the recorded F/B/W spans of a real run
-(:func:`labkit.parallel.pipeline.bubble.measure_bubble`). ``simulated`` is the schedule on
+The measured bubble comes from the recorded F/B/W spans of a real run of the one training
+job (:func:`labkit.jobs.train` on a ``RunConfig`` with ``pp=P``, read by
+:func:`labkit.parallel.pipeline.bubble.measure_bubble`; step 0 and the memory-tracked last
+step are left out). ``simulated`` is the schedule on
 this machine: the simulator fed each stage's measured mean CPU work, the separately measured
 one-way message time per hop, the cores the ranks got while computing and the executor's
 own CPU time per action (every term measured, none fitted to the bubble); ``gap_pp`` is
@@ -33,19 +35,20 @@ from collections import defaultdict
 import torch
 
 import labkit
-from labkit.parallel.pipeline import jobs as pj
-from labkit.parallel.pipeline.bubble import measure_bubble
-from labkit.parallel.pipeline.config import PP_BALANCED, PipelineConfig
-from labkit.parallel.pipeline.bubble import _measured_spans
+from labkit import jobs
+from labkit.config import RunConfig
+from labkit.parallel.pipeline.bubble import _measured_spans, measure_bubble
 from labkit.parallel.pipeline.machine import gaps
+from labkit.parallel.pipeline.presets import PP_BALANCED
 from labkit.parallel.pipeline.schedules import SCHEDULES
 
 
 def one(cluster, args, mc, name: str, m: int, run: int) -> dict:
-    cfg = PipelineConfig(model=mc, pp=args.pp, microbatches=m, schedule=name,
-                         global_batch=m * args.micro_batch, steps=args.steps, timeout_s=600)
+    cfg = RunConfig(model=mc, schedule=name, microbatches=m, micro_batch=args.micro_batch,
+                    global_batch=m * args.micro_batch, steps=args.steps, count_flops=False,
+                    timeout_s=600).replace(pp=args.pp)
     load = os.getloadavg()[0]
-    r = cluster.run(pj.pipeline_train, cfg)
+    r = cluster.run(jobs.train, cfg)
     sched = cfg.build_schedule()
     lat = r.metrics[0]["p2p_latency_s"]
     rep = measure_bubble(r.trace, sched, comm=lat)

@@ -1,16 +1,17 @@
 """labkit's pipeline executor vs torch.distributed.pipelining, side by side in one run.
 
-Same stages, data, optimizer and ranks; GPipe, 1F1B, interleaved 1F1B (V=2) and ZB-V, each
-against PyTorch's schedule of the same name (``ScheduleGPipe``, ``Schedule1F1B``,
-``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; :mod:`labkit.parallel.pipeline.
-torch_jobs`). The runs alternate (labkit, torch, labkit, …) so drift on a shared machine hits
-both. A step's time is the slowest rank's (every step starts at a barrier); a run's time is
+Same stages, data, optimizer and ranks — the one training job (:func:`labkit.jobs.train`)
+with ``impl="labkit"`` and ``impl="torch"``; GPipe, 1F1B, interleaved 1F1B (V=2) and ZB-V,
+each against PyTorch's schedule of the same name (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; :class:`labkit.train.pipeline.
+TorchPipeline`). The runs alternate (labkit, torch, labkit, …) so drift on a shared machine hits
+both. A step's time is the slowest rank's time for it; a run's time is
 the median of its steady steps; the ratio is median(labkit) / median(torch) over the repeats.
 Target: ratio <= 1.05 for GPipe and 1F1B; measured for the others.
 
 ZB-V runs with untied embeddings: with the embedding and the head tied, ZB-V puts both on rank
 0, and PyTorch's ZBV schedule (torch 2.13) then returns a wrong gradient for the shared weight
-(its first-step loss matches, the next ones do not), so ``same_losses`` would be False.
+(its first-step loss matches, the next ones do not), and ``RunConfig.validate`` refuses it.
 
     python benchmarks/pipeline_vs_torch.py [--pp 4 --microbatches 8 --repeats 3]
 
@@ -25,10 +26,8 @@ import statistics
 import torch
 
 import labkit
-from labkit.config import ModelConfig
-from labkit.parallel.pipeline import jobs as pj
-from labkit.parallel.pipeline.config import PipelineConfig
-from labkit.parallel.pipeline.torch_jobs import torch_schedule_train
+from labkit import jobs
+from labkit.config import ModelConfig, RunConfig
 
 TARGET = {"gpipe": 1.05, "1f1b": 1.05}
 
@@ -60,15 +59,17 @@ def main(argv=None) -> list:
         for name in args.schedules.split(","):
             mc = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=4,
                              seq_len=args.seq, name="pp-bench", tie_embeddings=name != "zb-v")
-            cfg = PipelineConfig(model=mc, pp=args.pp, microbatches=args.microbatches,
-                                 schedule=name, global_batch=args.global_batch,
-                                 steps=args.steps, measure_memory=False, timeout_s=600)
-            cluster.run(pj.pipeline_train, cfg.replace(steps=2))  # warm both paths
-            cluster.run(torch_schedule_train, cfg.replace(steps=2))
+            cfg = RunConfig(model=mc, microbatches=args.microbatches, schedule=name,
+                            global_batch=args.global_batch, steps=args.steps,
+                            measure_memory=False, count_flops=False,
+                            timeout_s=600).replace(pp=args.pp)
+            theirs_cfg = cfg.replace(impl="torch")
+            cluster.run(jobs.train, cfg.replace(steps=2))  # warm both paths
+            cluster.run(jobs.train, theirs_cfg.replace(steps=2))
             ours, theirs, same = [], [], True
             for _ in range(args.repeats):
-                a = cluster.run(pj.pipeline_train, cfg)
-                b = cluster.run(torch_schedule_train, cfg)
+                a = cluster.run(jobs.train, cfg)
+                b = cluster.run(jobs.train, theirs_cfg)
                 ours.append(step_time(a))
                 theirs.append(step_time(b))
                 same &= max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-5
