@@ -91,7 +91,12 @@ def p2p_latency(ctx, setup, rounds: int = 16) -> float:
 class TorchPipeline:
     """The same stages under ``torch.distributed.pipelining`` (``impl="torch"``): the parity
     and speed reference for labkit's executor. Its point-to-point traffic bypasses
-    labkit.comm, so its trace holds compute only. ``run`` has the executor's signature."""
+    labkit.comm, so its trace holds compute only. ``run`` has the executor's signature.
+
+    GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble (an untied model: with the embedding and
+    head on one rank, torch 2.13's ZBV gets the shared weight's gradient wrong, so validate
+    refuses it). For ZB-V the stages keep their plain linears: PyTorch splits the input and
+    weight gradients itself."""
 
     def __init__(self, setup):
         from torch.distributed import pipelining as P
