@@ -67,7 +67,7 @@ chromium:
 test: $(STAMP) chromium
 	@start=$$(date +%s); rc=0; \
 	echo "== pytest tests/"; \
-	$(VPY) -m pytest -q -ra tests || rc=$$?; \
+	$(VPY) -m pytest -q -ra --durations=25 tests || rc=$$?; \
 	mapfile -t nbs < <(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort); \
 	if [ $${#nbs[@]} -eq 0 ]; then \
 	  echo "== nbval: no notebooks under notebooks/ yet -- skipped"; \

@@ -348,10 +348,18 @@ class RunConfig:
         return build(self.schedule, self.parallel.pp, self.flush_microbatches,
                      self.stages_per_rank)
 
+    def __post_init__(self):
+        # ``parallel=dict(dp=2, tp=2)`` is the short form; the stored value is always a
+        # ParallelConfig so that it stays frozen and hashable
+        if isinstance(self.parallel, dict):
+            object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+
     def replace(self, **changes) -> "RunConfig":
         """Copy with ``changes``; ``dp=``, ``tp=``, ``pp=``, ``cp=``, ``ep=`` go to
-        ``parallel``."""
+        ``parallel``; ``parallel=dict(...)`` replaces all the degrees (unnamed ones are 1)."""
         par = {k: changes.pop(k) for k in list(changes) if k in _PARALLEL_FIELDS}
+        if isinstance(changes.get("parallel"), dict):
+            changes["parallel"] = ParallelConfig(**changes["parallel"])
         if par:
             changes["parallel"] = replace(changes.get("parallel", self.parallel), **par)
         return replace(self, **changes)

@@ -103,3 +103,14 @@ def test_public_names_are_listed_for_tab_completion():
     import labkit
 
     assert {"Cluster", "RunConfig", "jobs", "RankError"} <= set(dir(labkit))
+
+
+def test_parallel_as_a_dict_is_stored_as_parallel_config():
+    from labkit.config import ParallelConfig
+
+    cfg = RunConfig(parallel=dict(dp=2, tp=2))
+    assert cfg.parallel == ParallelConfig(dp=2, tp=2) and hash(cfg) == hash(cfg.replace())
+    assert cfg.replace(parallel=dict(pp=2)).parallel == ParallelConfig(pp=2)
+    assert cfg.replace(parallel=dict(pp=2), dp=2).parallel == ParallelConfig(dp=2, pp=2)
+    with pytest.raises(TypeError, match="zz"):
+        RunConfig(parallel=dict(zz=2))

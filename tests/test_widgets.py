@@ -181,6 +181,34 @@ def test_timeline_blocked_waits_have_their_own_family():
     assert len(comm_other.x) == 0 and len(t["all-gather"].x) == 1
 
 
+def test_timeline_labels_tagged_collectives_by_layer():
+    """A collective tagged with its layer (tensor parallelism) is labelled L<layer> on its
+    bar and names layer, site and phase on hover; a site outside the blocks is labelled by
+    its first word; an untagged call gets no label. Re-drawing one step swaps the labels."""
+    from labkit_widgets import TimelineView
+
+    def ar(t, step, **args):
+        return Event(0, "all_reduce", "comm", t, t + 1e-3, step, op="all_reduce", axis="tp",
+                     bytes_sent=64, args=args)
+
+    events = [ar(0.000, 0, site="emb_out", phase="forward"),
+              ar(0.002, 0, layer=0, site="attn_out", phase="forward"),
+              ar(0.004, 0, layer=0, site="mlp_out", phase="forward"),
+              ar(0.006, 1, layer=1, site="mlp_in", phase="backward"),
+              ar(0.008, 1)]
+    tv = TimelineView(Trace(events))
+    bars = _traces(tv.fig)["all-reduce"]
+    got = sorted(zip(bars.base, bars.text, bars.hovertext))
+    assert [(t, h) for _, t, h in got] == [
+        ("emb", "<br>emb_out · forward"), ("L0", "<br>layer 0 · attn_out · forward"),
+        ("L0", "<br>layer 0 · mlp_out · forward"), ("L1", "<br>layer 1 · mlp_in · backward"),
+        ("", "")]
+    assert "%{hovertext}" in bars.hovertemplate
+    tv.step = 1
+    bars = _traces(tv.fig)["all-reduce"]
+    assert sorted(bars.text) == ["", "L1"] and len(bars.hovertext) == 2
+
+
 # --------------------------------------------------------------------------- explorer
 def _memory_data(ex):
     return [(tuple(map(tuple, d.x)), tuple(d.y)) for d in ex.figures["memory"].data]

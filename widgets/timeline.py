@@ -9,7 +9,10 @@ narrower dark "blocked" bar on top of the compute row: the part of the span not 
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
 name, step, op, the algorithmic bytes it sent and received, and its duration. Consecutive
 calls in one communication lane alternate in shade, so twenty back-to-back all-reduces read
-as twenty bars, not one.
+as twenty bars, not one. A call that tagged where in the model it ran (tensor parallelism
+tags ``layer``, ``site`` and ``phase``) is labelled on its bar, ``L0``, ``L1`` … (or its
+site, e.g. ``emb``, ``loss``), so a layer's collectives can be counted by eye; labels that
+do not fit their bar are hidden.
 
 The step selector shows one step at a time; the title gives that step's own length (first
 start to last end of its events). A step the job flagged as instrumented
@@ -50,7 +53,8 @@ _COMPUTE_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{cu
                   "<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>%{fullData.name}"
                   "</extra>")
 _COMM_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]} · "
-               "op %{customdata[2]} · axis %{customdata[8]}<br>sent %{customdata[3]} · "
+               "op %{customdata[2]} · axis %{customdata[8]}%{hovertext}"
+               "<br>sent %{customdata[3]} · "
                "recv %{customdata[4]}<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)"
                "<extra>%{fullData.name}</extra>")
 
@@ -77,8 +81,24 @@ def _empty_traces() -> list:
             marker=dict(color=color, line_width=0),
             hovertemplate=(_BLOCKED_HOVER if blocked else
                            _COMPUTE_HOVER if compute else _COMM_HOVER),
-            x=[], y=[], base=[], customdata=[], showlegend=False))
+            textposition="inside", insidetextanchor="middle", textangle=0,
+            textfont=dict(size=10, color="white"),
+            x=[], y=[], base=[], customdata=[], text=[], hovertext=[], showlegend=False))
     return traces
+
+
+def _where(e) -> tuple:
+    """A comm bar's label and hover line from the place its call tagged: ``("L3",
+    "<br>layer 3 · mlp_out · forward")``, or the site alone outside the blocks (``"emb"``
+    for ``emb_out``); ``("", "")`` for an untagged call."""
+    a = e.args or {}
+    layer, site = a.get("layer"), a.get("site")
+    if layer is None and site is None:
+        return "", ""
+    label = f"L{layer}" if layer is not None else str(site).split("_")[0]
+    parts = ([f"layer {layer}"] if layer is not None else []) + \
+        [str(a[k]) for k in ("site", "phase") if a.get(k)]
+    return label, "<br>" + " · ".join(parts)
 
 
 def _family(e) -> tuple:
@@ -121,6 +141,10 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
         col["x"].append(dur_ms)
         col["base"].append(start_ms)
         col["y"].append(row[e.rank] + (COMM_OFFSET if fam[0] == "comm" else 0.0))
+        if fam[0] == "comm":
+            label, where = _where(e)
+            col.setdefault("text", []).append(label)
+            col.setdefault("hovertext", []).append(where)
         if fam[0] == "blocked":  # op / axis slots carry the unit and phase waited for
             args = e.args or {}
             extra = [args.get("unit", "–"), args.get("phase", "–")]
@@ -133,6 +157,8 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
         c["showlegend"] = bool(c["x"])
         if kind == "comm":
             c["marker.opacity"] = _alternating(c)
+            c.setdefault("text", [])  # an emptied lane drops the labels it showed before
+            c.setdefault("hovertext", [])
     tickvals, ticktext = [], []
     for r, i in row.items():
         tickvals += [i, i + COMM_OFFSET]
@@ -204,7 +230,7 @@ def _base_layout() -> dict:
                            zeroline=False, showgrid=False),
                 legend=dict(groupclick="toggleitem"), margin=dict(l=70, r=20, t=64, b=40),
                 title=dict(text="no events recorded", font_size=14), height=210,
-                hoverlabel=dict(align="left"))
+                hoverlabel=dict(align="left"), uniformtext=dict(minsize=8, mode="hide"))
 
 
 class TimelineView(StaticFigure, W.VBox):

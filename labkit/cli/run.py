@@ -64,6 +64,7 @@ FLAGS: tuple = (
          metavar="b"),
     Flag("--lr", "lr", float, "AdamW learning rate (default 1e-3)", _MODEL),
     Flag("--weight-decay", "weight_decay", float, "AdamW weight decay (default 0)", _MODEL),
+    Flag("--adam-eps", "adam_eps", float, "AdamW epsilon (default 1e-8)", _MODEL),
     Flag("--seed", "seed", int, "model initialisation and data order (default 0)", _MODEL),
     Flag("--timeout", "timeout_s", float, "seconds before a hung job is cancelled on the "
          "own cluster (default 120)", _MODEL, metavar="S"),
