@@ -192,8 +192,8 @@ def _torch_schedule_rules(cfg) -> None:
     checks them before launch (torch 2.13, ``schedules.py``)."""
     p, m = cfg.parallel.pp, cfg.flush_microbatches
     if cfg.schedule not in ("gpipe", "1f1b", "interleaved", "zb-v"):
-        raise ValueError(f"impl='torch' runs gpipe, 1f1b or interleaved (Interleaved1F1B), "
-                         f"got schedule={cfg.schedule!r}")
+        raise ValueError(f"impl='torch' runs gpipe, 1f1b, interleaved (Interleaved1F1B) or "
+                         f"zb-v (ZBVZeroBubble), got schedule={cfg.schedule!r}")
     if cfg.schedule == "1f1b" and m < p:
         raise ValueError(f"PyTorch's Schedule1F1B needs microbatches >= pp: microbatches={m} "
                          f"< pp={p}")
@@ -202,10 +202,11 @@ def _torch_schedule_rules(cfg) -> None:
         if m % rounds:
             raise ValueError(f"PyTorch's {cfg.schedule} schedule needs microbatches={m} to be "
                              f"a multiple of max(1, microbatches // pp) = {rounds} rounds")
-    if cfg.schedule == "zb-v":
-        raise ValueError("impl='torch' with schedule='zb-v': PyTorch's ZBVZeroBubble fails on "
-                         "labkit's stages (its input-gradient pass finds a tensor unused in "
-                         "the graph); compare zb-v with impl='labkit' only")
+    if cfg.schedule == "zb-v" and cfg.model_config.tie_embeddings:
+        raise ValueError("impl='torch' with schedule='zb-v' and tie_embeddings=True: the V "
+                         "places the embedding and the head on rank 0, and PyTorch's "
+                         "ZBVZeroBubble gets that shared weight's gradient wrong; untie the "
+                         "model (ModelConfig(tie_embeddings=False)) or use impl='labkit'")
     if cfg.flushes != 1:
         raise ValueError(f"impl='torch' runs one pipeline flush per step, got "
                          f"{cfg.flushes} flushes ({cfg.accum_steps} microbatches of a step / "

@@ -112,8 +112,7 @@ def test_every_colour_has_a_prose_name():
     assert {c.upper() for c in used} <= {c.upper() for c in S.COLOR_NAMES}
 
 
-# notebook 08 is being reworked with the pipeline views; it still closes its cluster
-_STILL_CLOSING = {"08_pipeline_parallel"}
+_STILL_CLOSING: set = set()  # notebooks allowed to end with cluster.close() (none)
 
 
 @pytest.mark.parametrize("nb_path", [

@@ -198,7 +198,8 @@ def test_overheads_and_explained_bubble_round_trip_a_simulated_trace(name, p, m)
     assert rep.explained_gap_pp == pytest.approx(0.0, abs=1e-9)
     assert rep.gap_pp > 0  # the comm-free prediction misses the overheads
     rungs = [b for _, b in rep.ladder]
-    assert rungs[-1] == rep.bubble and rungs[-2] == rep.explained.bubble
+    assert rungs[-1] == rep.bubble and rungs[-2] == rep.predicted.bubble
+    assert rep.cores is None and rep.executor_s == 0.0  # a hand-made trace has no CPU times
 
 
 def test_measure_bubble_refuses_a_schedule_the_trace_did_not_run():
@@ -230,3 +231,169 @@ def test_measure_bubble_refuses_a_schedule_the_trace_did_not_run():
     for bad in (-1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="comm must be a finite number"):
             measure_bubble(events, ran, comm=bad)
+
+
+def test_shared_cores_worked_example():
+    """GPipe P=2, M=2, F=1, BW=2 on 1.5 cores. Rank 0's F0 runs alone [0, 1]; then its F1
+    and rank 1's F0 share the cores at 0.75 each, ending at 1 + 1/0.75; rank 1's F1 and BW0
+    run alone; rank 0's BW0 and rank 1's BW1 share again (2/0.75 each); rank 0's BW1 runs
+    alone: makespan 10 (9 on a core per rank)."""
+    sched = build("gpipe", 2, 2)
+    costs = {"F": 1.0, "B": 2.0, "W": 0.0}
+    assert simulate(sched, costs).makespan == pytest.approx(9.0)
+    r = simulate(sched, costs, cores=1.5)
+    ends = {(sp.rank, str(sp.action)): sp.end for sp in r.spans}
+    assert ends[(0, "0F1")] == ends[(1, "1F0")] == pytest.approx(1 + 1 / 0.75)
+    assert ends[(1, "1BW0")] == pytest.approx(1 + 1 / 0.75 + 3)
+    assert ends[(0, "0BW0")] == ends[(1, "1BW1")] == pytest.approx(1 + 1 / 0.75 + 3 + 2 / 0.75)
+    assert r.makespan == pytest.approx(10.0)
+    assert r.busy == pytest.approx([1 + 1 / 0.75 + 2 / 0.75 + 2, 1 / 0.75 + 1 + 2 + 2 / 0.75])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_one_core_serialises_and_enough_cores_change_nothing(name):
+    """On one core some rank always has work, so the makespan is the total work; with a
+    core per rank the simulation is the unshared one."""
+    sched = build(name, 4, 8)
+    costs = {"F": [1.0 + 0.1 * s for s in range(sched.n_stages)], "B": 2.0, "W": 1.0}
+    free = simulate(sched, costs, comm=0.2)
+    assert simulate(sched, costs, cores=1).makespan == pytest.approx(sum(free.busy))
+    same = simulate(sched, costs, comm=0.2, cores=4)
+    assert same.makespan == free.makespan and same.idle == free.idle
+    near = simulate(sched, costs, comm=0.2, cores=3.999999)
+    assert near.makespan == pytest.approx(free.makespan, rel=1e-5)
+    assert simulate(sched, costs, cores=2).bubble < free.bubble  # busy spans stretch
+
+
+def test_cores_must_be_a_positive_number():
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="cores must be a finite number > 0"):
+            simulate(build("1f1b", 2, 2), cores=bad)
+
+
+def _trace_of(sim, work=None, exec_s=None):
+    from labkit.trace import Event
+
+    out = []
+    for sp in sim.spans:
+        args = {"stage": sp.action.stage, "microbatch": sp.action.microbatch, "flush": 0}
+        if work is not None:
+            args.update(cpu_s=work(sp.action), exec_cpu_s=exec_s)
+        out.append(Event(sp.rank, sp.action.kind, "compute", sp.start, sp.end, step=0,
+                         args=args))
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p,m,cores", [(2, 4, 1.5), (4, 8, 1.8), (4, 4, 2.5)])
+def test_machine_terms_round_trip_a_simulated_trace(name, p, m, cores):
+    """A trace made by the simulator on ``cores`` shared cores, with a dispatch gap d and a
+    message time c, whose spans carry their work as CPU seconds and d as the executor's
+    CPU time: measure_bubble reads back the cores and d, and its simulation on this
+    machine reproduces the trace's bubble; the bands add up to it."""
+    from labkit.parallel.pipeline.bubble import bubble_bands, measure_bubble
+
+    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    f = [1.0 + 0.1 * s for s in range(sched.n_stages)]
+    costs = {"F": f, "B": 2.0, "W": 1.0} if sched.split_backward else {"F": f, "BW": 3.0}
+    work = lambda a: f[a.stage] if a.kind == "F" else costs[a.kind]  # noqa: E731
+    c, d = 0.05, 0.02
+    sim = simulate(sched, costs, comm=c, dispatch=d, cores=cores)
+    rep = measure_bubble(_trace_of(sim, work, d), sched, comm=c)
+    assert rep.cores == pytest.approx(cores, rel=1e-6)
+    assert rep.executor_s == pytest.approx(d)
+    assert rep.predicted.bubble == pytest.approx(sim.bubble, abs=1e-9)
+    assert rep.gap_pp == pytest.approx(0.0, abs=1e-6)
+    assert rep.dedicated.bubble != pytest.approx(sim.bubble, abs=1e-3)  # sharing matters
+    bands = bubble_bands(rep)
+    assert [b["name"] for b in bands] == ["schedule", "stage costs + messages", "shared cores",
+                                          "executor", "unexplained"]
+    assert sum(b["delta"] for b in bands) == pytest.approx(rep.bubble)
+    assert bands[0]["bubble"] == pytest.approx(simulate(sched).bubble)
+    assert bands[-1]["delta"] == pytest.approx(0.0, abs=1e-8)
+    # a run on more cores than it used shows no sharing
+    free = simulate(sched, costs, comm=c, dispatch=d)
+    assert measure_bubble(_trace_of(free, work, d), sched, comm=c).cores is None
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_fitted_comm_reads_back_the_hop_delay(name):
+    """A trace made with a per-hop delay g (no other gap): the fitted per-hop delay is g."""
+    from labkit.parallel.pipeline.bubble import measure_bubble
+
+    sched = build(name, 4, 4)
+    g = 0.37
+    sim = simulate(sched, {"F": 1.0, "B": 2.0, "W": 1.0, "BW": 3.0}, comm=g)
+    assert measure_bubble(_trace_of(sim), sched).fitted_comm_s == pytest.approx(g, rel=1e-6)
+    still = simulate(sched, {"F": 1.0, "B": 2.0, "W": 1.0, "BW": 3.0})
+    assert measure_bubble(_trace_of(still), sched).fitted_comm_s == pytest.approx(0, abs=1e-9)
+
+
+def _posts(lowered, sched):
+    """Per receive: (post time, producer start, producer end, slot, consumer index) in the
+    unit-cost timeline; the post time is the end of the consumer's previous compute."""
+    sim = simulate(sched)
+    start = {(sp.action.kind, sp.action.stage, sp.action.microbatch): sp.start for sp in sim.spans}
+    end = {(sp.action.kind, sp.action.stage, sp.action.microbatch): sp.end for sp in sim.spans}
+    for (k, s, i) in list(start):
+        if k == "BW":
+            start[("B", s, i)], end[("B", s, i)] = start[(k, s, i)], end[(k, s, i)]
+    out = []
+    for acts in lowered.actions:
+        t, k, comp = 0.0, 0, [a for a in acts if a.is_compute]
+        for a in acts:
+            if a.is_compute:
+                t, k = end[(a.kind, a.stage, a.microbatch)], k + 1
+            elif a.kind.startswith("RECV"):
+                prod = (("F", a.stage - 1, a.microbatch) if a.kind == "RECV_F"
+                        else ("B", a.stage + 1, a.microbatch))
+                use = next(j for j, c in enumerate(comp) if c.stage == a.stage and
+                           c.microbatch == a.microbatch and
+                           (c.kind == "F") == (a.kind == "RECV_F"))
+                out.append((t, start[prod], end[prod], k, use))
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8)])
+def test_early_receives_are_posted_before_the_producer_starts(name, p, m):
+    """``with_comms(early=True)``: in the unit-cost timeline every receive is posted no
+    later than its producer starts (so it waits for the sender, never the reverse), still
+    at least ``prefetch`` computes before the one that needs it."""
+    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    for prefetch in (0, 2):
+        for post, p_start, _, slot, use in _posts(with_comms(sched, prefetch, early=True), sched):
+            assert post <= p_start + 1e-9
+            assert slot <= max(0, use - prefetch)
+
+
+def test_late_receives_without_early_posting():
+    """What early posting fixes: with receives a fixed 2 computes ahead, interleaved and
+    ZB-V at P=4, M=8 post some receives after the producer has already finished."""
+    for name in ("interleaved", "zb-v"):
+        sched = build(name, 4, 8)
+        late = [1 for post, _, p_end, _, _ in _posts(with_comms(sched, 2), sched) if post >= p_end]
+        assert late, name
+
+
+def test_pp_ranks_are_checked():
+    from labkit.config import ModelConfig
+    from labkit.parallel.pipeline.executor import PipelineExecutor
+    from labkit.parallel.pipeline.stage import TiedEmbedding, build_stages
+
+    mc = ModelConfig(n_layers=2, d_model=16, n_heads=2, seq_len=8)
+    sched = build("1f1b", 2, 2)
+    stages = build_stages(mc, [1], 2)
+    ex = PipelineExecutor(sched, stages, 1, None, (1, 8, 16), pp_ranks=(5, 3))
+    assert ex.pp_ranks == (5, 3)
+    assert PipelineExecutor(sched, stages, 1, None, (1, 8, 16)).pp_ranks == (0, 1)
+    assert TiedEmbedding(mc, sched, 1, stages, None, pp_ranks=(5, 3)).peer == 5
+    assert TiedEmbedding(mc, sched, 1, stages, None).peer == 0
+    for bad, match in (((0,), "has 1 entries for pp=2"), ((1, 1), "repeats a global rank"),
+                       ((0, -1), "global rank >= 0"), ((0, 1.0), "global rank >= 0")):
+        with pytest.raises(ValueError, match=match):
+            PipelineExecutor(sched, stages, 1, None, (1, 8, 16), pp_ranks=bad)
+        with pytest.raises(ValueError, match=match):
+            TiedEmbedding(mc, sched, 1, stages, None, pp_ranks=bad)
+    with pytest.raises(ValueError, match="rank=2 is not a stage-rank of a pipeline of pp=2"):
+        PipelineExecutor(sched, stages, 2, None, (1, 8, 16))

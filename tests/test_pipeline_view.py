@@ -33,6 +33,48 @@ def test_simulation_only_without_cluster():
     assert isinstance(v.figure(), go.Figure)
     v.controls["microbatches"].value = 8  # observe → re-simulate
     assert sum(len(v.fig.data[5 + i].x) for i in range(1, 5)) == 3 * 4 * 8
+    _check_legends_and_labels(v, 8)
+
+
+def _check_legends_and_labels(v, m):
+    """Kinds keyed by pattern on one grey, a colour key per microbatch, the data bars out of
+    the legend, labels never rotated (and hidden where they do not fit)."""
+    from labkit_widgets.pipeline_view import KIND_SWATCH, N_DATA, PALETTE
+
+    data, keys = v.fig.data[:N_DATA], v.fig.data[N_DATA:]
+    assert not any(t.showlegend for t in data)
+    assert all(t.textangle == 0 for t in data)
+    assert v.fig.layout.uniformtext.mode == "hide"
+    kinds = [t for t in keys if t.legend in (None, "legend")]
+    assert [t.name for t in kinds] == ["idle", "F forward", "B input-grad", "W weight-grad",
+                                       "BW full backward"]
+    assert {t.marker.color for t in kinds[1:]} == {KIND_SWATCH}
+    assert len({t.marker.pattern.shape for t in kinds[1:]}) == 4  # told apart by pattern
+    mbs = [t for t in keys if t.legend == "legend2" and t.visible is not False]
+    assert [t.name for t in mbs] == [str(i) for i in range(m)]
+    assert [t.marker.color for t in mbs] == PALETTE[:m]
+
+
+def test_flush_bubbles_and_status_table():
+    """Two identical flushes: each flush's bubble is the report's; the status table names
+    the three bubbles and the spread."""
+    from labkit.parallel.pipeline.bubble import measure_bubble
+    from labkit.trace import Event
+    from labkit_widgets.pipeline_view import flush_bubbles, status_table
+
+    sched = build("1f1b", 2, 4)
+    sim = simulate(sched, {"F": 1.0, "B": 2.0, "W": 0.0}, comm=0.1)
+    ev = [Event(sp.rank, sp.action.kind, "compute", sp.start + 100 * st, sp.end + 100 * st,
+                step=st, args={"stage": sp.action.stage, "microbatch": sp.action.microbatch,
+                               "flush": 0}) for st in (1, 2) for sp in sim.spans]
+    rep = measure_bubble(ev, sched)
+    assert flush_bubbles(rep) == pytest.approx([sim.bubble, sim.bubble])
+    html = status_table(rep, [{"peak_activation_bytes": 2**20, "peak_inflight": 2}] * 2)
+    for text in ("measured", "simulated on this machine", "unit costs (lecture)",
+                 "2 flushes: 30.0 % – 30.0 %" if round(sim.bubble, 3) == 0.3 else "2 flushes",
+                 "1.00 MiB"):
+        assert text in html, text
+    assert "labkit-status-ok" in html and "#2E7D32" not in html  # not a green wall of text
 
 
 @pytest.mark.distributed
@@ -41,6 +83,8 @@ def test_real_run_rerun_and_play(cluster4):
 
     v = PipelineView(cluster4, schedule="1f1b", pp=4, microbatches=4)
     assert v.report is not None and "measured" in v.status.value
+    assert v.report.flushes == 3 and "3 flushes" in v.status.value  # the spread is shown
+    _check_legends_and_labels(v, 4)
     measured = sum(len(v.fig.data[i].x) for i in range(1, 5))
     assert measured == 2 * 4 * 4  # F and BW
     assert len(v.fig.data[0].x) > 0  # idle bubbles drawn
@@ -50,5 +94,6 @@ def test_real_run_rerun_and_play(cluster4):
     assert sum(len(v.fig.data[i].x) for i in range(1, 5)) < 3 * 4 * 2
     v.set(schedule="gpipe", microbatches=16)  # batch 8 does not split in 16: doubled to 32
     assert v.result.config.global_batch == 32
+    _check_legends_and_labels(v, 16)
     bundle = v._repr_mimebundle_()
     assert "application/vnd.plotly.v1+json" in bundle

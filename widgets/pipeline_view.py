@@ -3,9 +3,16 @@
 Top panel: what the ranks did — every ``F``/``B``/``W``/``BW`` span of one flush from the
 run's trace, coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
 crossed, ``BW`` dotted), with the idle time between them drawn as grey bubbles. Bottom
-panel: the same schedule simulated with the run's measured mean per-stage costs
-(:func:`labkit.parallel.pipeline.bubble.measure_bubble`), on the same millisecond axis.
-Without a cluster only the simulation (unit costs) is drawn.
+panel: the same schedule simulated on this machine — the run's measured per-stage costs,
+message time, shared cores and executor time per action
+(:func:`labkit.parallel.pipeline.bubble.measure_bubble`) — on the same millisecond axis.
+Without a cluster only the simulation (unit costs) is drawn. Two legends: the kinds (grey
+swatches told apart by pattern) and the microbatch colours. Labels are drawn only on bars
+wide enough to read them unrotated; hover a bar for its action and times.
+
+The status is a small table: the bubble measured (the mean over the run's measured
+flushes, with their spread: one reading on shared cores can move by several points),
+simulated on this machine, and with unit costs (the lecture's number), and the terms.
 
 Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time cursor
 across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
@@ -14,21 +21,25 @@ from __future__ import annotations
 
 from typing import Optional
 
+import html
+
 import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.parallel.pipeline import jobs as pj
+from labkit import jobs
+from labkit.config import RunConfig
 from labkit.parallel.pipeline.actions import Action
-from labkit.parallel.pipeline.bubble import measure_bubble
-from labkit.parallel.pipeline.config import PipelineConfig
+from labkit.parallel.pipeline.bubble import BubbleReport, measure_bubble
+from labkit.parallel.pipeline.presets import PP_TINY
+from labkit.parallel.pipeline.report import pipeline_trace
 from labkit.parallel.pipeline.schedules import SCHEDULES
 from labkit.parallel.pipeline.simulate import Span, simulate
 
 from . import _style as S
 from ._static import StaticFigure, live
 
-__all__ = ["PipelineView", "gantt_data", "measured_spans"]
+__all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table"]
 
 KINDS = ("F", "B", "W", "BW")
 PATTERNS = {"F": "", "B": "/", "W": "x", "BW": "."}
@@ -36,14 +47,22 @@ PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B
            "#FF9DA6", "#9D755D", "#BAB0AC", "#17BECF", "#8C564B", "#BCBD22", "#7F7F7F",
            "#1F77B4", "#D62728"]
 IDLE = "rgba(150,150,150,0.25)"
+KIND_SWATCH = "#8C8C8C"  # the kind legend's neutral grey: the pattern is the key
+KIND_NAMES = {"idle": "idle", "F": "F forward", "B": "B input-grad", "W": "W weight-grad",
+              "BW": "BW full backward"}
+N_DATA = 2 * (1 + len(KINDS))  # bar traces: (idle + kinds) per panel; legend keys follow
 FRAMES = 40
 
 
 def measured_spans(trace, step: Optional[int] = None, flush: int = 0) -> list:
-    """The compute spans of one flush (default: the last step) as simulator
-    :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from the flush's start."""
-    ev = [e for e in trace.events if e.cat == "compute" and e.name in KINDS
+    """The compute spans of one flush (default: the last step not run under the memory
+    tracker) as simulator :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from
+    the flush's start. ``trace``: a Trace or a list of events."""
+    events = trace.events if hasattr(trace, "events") else trace
+    ev = [e for e in events if e.cat == "compute" and e.name in KINDS
           and "stage" in e.args and e.args.get("flush", 0) == flush]
+    if step is None and any("instrumented" not in e.args for e in ev):
+        ev = [e for e in ev if "instrumented" not in e.args]
     if not ev:
         return []
     step = max(e.step for e in ev) if step is None else step
@@ -89,22 +108,78 @@ def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float
     return out
 
 
+def flush_bubbles(report: BubbleReport) -> list:
+    """The measured bubble (idle/total) of each flush of ``report``, in run order."""
+    p = len(report.busy)
+    return [sum(w - b for b in busy) / (p * w) if w else 0.0 for w, busy in report.per_flush]
+
+
+def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
+    """The status as HTML: bubble and idle per rank measured (with the spread over flushes),
+    simulated on this machine, and with unit costs; the measured terms; memory."""
+    pct = lambda b: f"{100 * b:.1f} %"  # noqa: E731
+    ms = lambda v: ", ".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
+    per = flush_bubbles(report)
+    spread = (f"{len(per)} flushes: {pct(min(per))} – {pct(max(per))}" if len(per) > 1 else
+              "one flush: no spread; run more steps to see how much a reading moves")
+    rows = [("measured", pct(report.bubble), spread, ms(report.idle)),
+            ("simulated on this machine", pct(report.predicted.bubble),
+             f"gap {report.gap_pp:+.1f} pp", ms(report.predicted.idle)),
+            ("simulated, unit costs (lecture)", pct(report.unit.bubble), "", "")]
+    td = "padding:1px 12px 1px 0;text-align:left"
+    body = "".join(f"<tr><td style='{td}'>{html.escape(a)}</td><td style='{td};"
+                   f"text-align:right;font-weight:bold'>{html.escape(b)}</td><td style='{td};"
+                   f"color:{S.MUTED}'>{html.escape(c)}</td><td style='{td}'>"
+                   f"{html.escape(d)}</td></tr>" for a, b, c, d in rows)
+    head = (f"<tr><th style='{td}'></th><th style='{td};text-align:right'>bubble</th>"
+            f"<th style='{td}'></th><th style='{td}'>idle per rank, ms</th></tr>")
+    terms = [f"message {1e3 * report.comm_s:.2f} ms/hop"]
+    if report.cores is not None:
+        terms.append(f"{report.cores:.2f} cores for {len(report.busy)} ranks")
+    if report.executor_s:
+        terms.append(f"executor {1e3 * report.executor_s:.2f} ms/action")
+    lines = ["simulated with the measured stage costs, " + ", ".join(terms)]
+    if metrics:
+        mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in metrics)
+        lines.append(f"peak activations per rank: {mem}; stage-microbatches in flight "
+                     f"{[m.get('peak_inflight') for m in metrics]} (simulated "
+                     f"{report.predicted.peak_inflight})")
+    notes = "".join(f"<div style='color:{S.MUTED}'>{html.escape(t)}</div>" for t in lines)
+    return (f"<div class='labkit-status labkit-status-ok' style='font-size:12px;"
+            f"color:#222'><table style='border-collapse:collapse'>{head}{body}</table>"
+            f"{notes}</div>")
+
+
 def _base_figure() -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("measured (trace)", "simulated (measured costs)"))
+                        subplot_titles=("measured (trace)", "simulated on this machine"))
     for row in (1, 2):
         for kind in ("idle",) + KINDS:
             fig.add_trace(go.Bar(
-                name=kind, orientation="h", x=[], y=[], base=[], text=[],
-                textposition="inside", insidetextanchor="middle", showlegend=row == 1,
-                legendgroup=kind, hovertemplate="%{text}<br>%{base:.2f} ms + %{x:.2f} ms"
-                "<extra></extra>", marker=dict(color=IDLE if kind == "idle" else "#999",
-                                               pattern_shape=PATTERNS.get(kind, ""),
-                                               line_width=0)), row=row, col=1)
+                name=kind, orientation="h", x=[], y=[], base=[], text=[], showlegend=False,
+                textposition="inside", insidetextanchor="middle", textangle=0,
+                hovertemplate="%{text}<br>%{base:.2f} + %{x:.2f}<extra></extra>",
+                marker=dict(color=IDLE if kind == "idle" else "#999",
+                            pattern_shape=PATTERNS.get(kind, ""), line_width=0)),
+                row=row, col=1)
+    for kind in ("idle",) + KINDS:  # legend keys only: the kinds, by pattern
+        fig.add_trace(go.Bar(name=KIND_NAMES[kind], orientation="h", x=[None], y=[None],
+                             legend="legend", hoverinfo="skip",
+                             marker=dict(color=IDLE if kind == "idle" else KIND_SWATCH,
+                                         pattern_shape=PATTERNS.get(kind, ""))), row=1, col=1)
+    for i, colour in enumerate(PALETTE):  # legend keys only: the microbatch colours
+        fig.add_trace(go.Bar(name=str(i), orientation="h", x=[None], y=[None],
+                             legend="legend2", hoverinfo="skip", visible=i < 4,
+                             marker=dict(color=colour)), row=1, col=1)
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(title_text="ms", row=2, col=1)
-    fig.update_layout(barmode="overlay", height=520, margin=dict(l=60, r=20, t=60, b=40),
-                      title="pipeline", legend_title_text="kind (colour = microbatch)")
+    fig.update_layout(barmode="overlay", height=560, margin=dict(l=60, r=100, t=100, b=40),
+                      title=dict(text="pipeline", y=0.98),
+                      uniformtext=dict(minsize=9, mode="hide"),  # hide what cannot fit
+                      legend=dict(orientation="h", x=0, y=1.14, xanchor="left",
+                                  title_text="kind", font_size=11),
+                      legend2=dict(x=1.01, y=1, xanchor="left", title_text="microbatch",
+                                   font_size=11, tracegroupgap=0))
     return fig
 
 
@@ -114,8 +189,10 @@ class PipelineView(StaticFigure, W.VBox):
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: simulation only).
         schedule, pp, microbatches, virtual_stages: the starting run.
-        config: a :class:`PipelineConfig` whose other fields (model, batch, steps) are kept.
-        result: show this ``RunResult`` of ``pipeline_train`` instead of running.
+        config: a :class:`~labkit.config.RunConfig` whose other fields (model, batch,
+            steps) are kept; default ``PP_TINY``, 5 steps (step 0 warms up, the last runs
+            under the memory tracker: 3 measured flushes show the spread).
+        result: show this ``RunResult`` of :func:`labkit.jobs.train` instead of running.
 
     Attributes:
         controls: ``schedule``/``pp``/``microbatches``/``virtual_stages`` widgets; ``play``
@@ -125,11 +202,11 @@ class PipelineView(StaticFigure, W.VBox):
 
     def __init__(self, cluster=None, schedule: str = "1f1b", pp: int = 4,
                  microbatches: int = 4, virtual_stages: int = 2, *,
-                 config: Optional[PipelineConfig] = None, result=None,
+                 config: Optional[RunConfig] = None, result=None,
                  interval_ms: int = 150, **kwargs):
         super().__init__(**kwargs)
         self.cluster, self.result, self.report = cluster, None, None
-        self.base = config or PipelineConfig(steps=2)
+        self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
         max_p = cluster.world_size if cluster is not None else 8
         opts = dict(continuous_update=False, style={"description_width": "60px"})
@@ -158,7 +235,7 @@ class PipelineView(StaticFigure, W.VBox):
         else:
             self.rerun()
 
-    def config(self) -> PipelineConfig:
+    def config(self) -> RunConfig:
         c = {k: w.value for k, w in self.controls.items()}
         v = c["virtual_stages"] if c["schedule"] == "interleaved" else None
         m = c["microbatches"]
@@ -190,34 +267,32 @@ class PipelineView(StaticFigure, W.VBox):
             sim = simulate(cfg.build_schedule())
             self.spans, self.sim_spans, self.report = [], sim.spans, None
             self.status.value = S.status_html(
-                f"simulated only (no cluster), unit costs: {sim.summary()}")
+                f"simulated only (no cluster), unit costs: {sim.summary()}", "info")
             self._scale = 1.0  # unit costs: the axis is in cost units
             self._draw()
             return self
-        self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.pp} "
-                                          f"M={cfg.microbatches} …", "busy")
-        return self.update(self.cluster.run(pj.pipeline_train, cfg), cfg)
+        self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.parallel.pp} "
+                                          f"M={cfg.flush_microbatches} …", "busy")
+        return self.update(self.cluster.run(jobs.train, cfg), cfg)
 
-    def update(self, result, cfg: Optional[PipelineConfig] = None) -> "PipelineView":
-        """Show a ``RunResult`` of ``pipeline_train``."""
+    def update(self, result, cfg: Optional[RunConfig] = None) -> "PipelineView":
+        """Show a ``RunResult`` of :func:`labkit.jobs.train` with ``pp > 1`` (with data
+        parallelism, its first pipeline)."""
         cfg = cfg or result.config
         self.result, sched = result, cfg.build_schedule()
-        lat = result.metrics[0].get("p2p_latency_s", 0.0)
-        self.report = rep = measure_bubble(result.trace, sched, comm=lat)
-        self.spans = measured_spans(result.trace)
+        lat = max((m.get("p2p_latency_s") or 0.0) for m in result.metrics)
+        trace = pipeline_trace(result.trace, cfg.mesh)
+        self.report = rep = measure_bubble(trace, sched, comm=lat)
+        self.spans = measured_spans(trace)
         self.sim_spans = rep.predicted.spans
-        mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in result.metrics)
-        self.status.value = S.status_html(
-            f"{rep.summary()}\n{rep.ladder_text()}\nidle per rank (ms): measured "
-            f"{[round(i * 1e3, 1) for i in rep.idle]}, simulated "
-            f"{[round(i * 1e3, 1) for i in rep.predicted.idle]}\npeak activations per rank: "
-            f"{mem}; in flight {[m.get('peak_inflight') for m in result.metrics]}", "ok")
+        self.status.value = status_table(
+            rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
         self._scale = 1e3  # seconds → ms
         self._draw()
         return self
 
     def _draw(self) -> None:
-        pp = self.config().pp
+        pp = self.config().parallel.pp
         end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
         until = end * self.time.value / FRAMES
         with self.fig.batch_update():
@@ -225,15 +300,23 @@ class PipelineView(StaticFigure, W.VBox):
                 cols = gantt_data(spans, pp, until, self._scale)
                 for i, kind in enumerate(("idle",) + KINDS):
                     c = cols[kind]
-                    self.fig.data[panel * 5 + i].update(
+                    self.fig.data[panel * (1 + len(KINDS)) + i].update(
                         x=c["x"], base=c["base"], y=c["y"], text=c["text"],
                         marker=dict(color=c["color"]))
             unit = "ms" if self._scale == 1e3 else "units"
             self.fig.layout.xaxis2.title.text = unit
+            self.fig.layout.annotations[1].text = ("simulated on this machine" if unit == "ms"
+                                                   else "simulated, unit costs")
+            self.fig.layout.annotations[0].text = ("measured (trace)" if self.spans else
+                                                   "measured: nothing ran (no cluster)")
+            self.fig.layout.yaxis.visible = bool(self.spans)
             self.fig.layout.xaxis.range = self.fig.layout.xaxis2.range = [0, end * self._scale]
             cfg = self.config()
-            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.pp}, M={cfg.microbatches}, "
+            m = cfg.flush_microbatches
+            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.parallel.pp}, M={m}, "
                                           f"V={cfg.stages_per_rank}")
+            for i in range(len(PALETTE)):  # one colour key per microbatch
+                self.fig.data[N_DATA + 1 + len(KINDS) + i].visible = i < m
 
     def _on_control(self, _change) -> None:
         if not self._quiet:
@@ -241,4 +324,4 @@ class PipelineView(StaticFigure, W.VBox):
 
     def __repr__(self) -> str:
         c = self.config()
-        return f"PipelineView({c.schedule!r}, P={c.pp}, M={c.microbatches})"
+        return f"PipelineView({c.schedule!r}, P={c.parallel.pp}, M={c.flush_microbatches})"

@@ -67,6 +67,10 @@ def run(ctx, cfg: RunConfig) -> dict:
     out: dict = {}
     step = make_step(setup, executor, on_synced=_grab_grads(setup, out) if cfg.return_grads
                      else None)
+    if meter is not None:
+        from .pipeline import meter_untracked_steps
+
+        step = meter_untracked_steps(step, meter, cfg)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
             if cfg.model_config.n_experts else None

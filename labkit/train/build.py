@@ -130,7 +130,7 @@ def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
     pp_index = mg.index("pp")
     setup.schedule = sched
     setup.stages = {s: StageModule(model, s, sched.n_stages) for s in sched.stages_of(pp_index)}
-    if sched.split_backward:
+    if sched.split_backward and cfg.impl != "torch":  # PyTorch's ZBV splits B/W itself
         setup.store = WeightGradStore()
         for m in setup.stages.values():
             _swap_linears(m, setup.store)

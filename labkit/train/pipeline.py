@@ -8,7 +8,8 @@ from .. import comm
 from ..parallel.pipeline.executor import PipelineExecutor
 from ..parallel.pipeline.stage import ActivationMeter
 
-__all__ = ["make_executor", "TorchPipeline", "p2p_latency", "boundary_shape"]
+__all__ = ["make_executor", "meter_untracked_steps", "TorchPipeline", "p2p_latency",
+           "boundary_shape"]
 
 #: labkit's schedule names → torch.distributed.pipelining's classes
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -38,6 +39,25 @@ def make_executor(setup) -> tuple:
                           setup.device, setup.store, meter, pp_ranks=mg.ranks("pp"),
                           forward_fns=setup.forward, loss_reduction="sum")
     return ex, meter
+
+
+def meter_untracked_steps(step, meter, cfg):
+    """``step`` with the activation meter off in the step the memory tracker runs (the
+    last, when there are others): the tracker's backward hooks hold every stage input it
+    saw until the step ends, so on the stages that receive their input every microbatch
+    would look alive at once (1F1B at P=4, M=8 read [4, 8, 8, 8] instead of [4, 3, 2, 1])."""
+    if not cfg.measure_memory or cfg.steps < 2:
+        return step
+    tracked = cfg.steps - 1
+
+    def metered(s: int, mark):
+        meter.enabled = s != tracked
+        try:
+            return step(s, mark)
+        finally:
+            meter.enabled = True
+
+    return metered
 
 
 def p2p_latency(ctx, setup, rounds: int = 16) -> float:
@@ -71,7 +91,12 @@ def p2p_latency(ctx, setup, rounds: int = 16) -> float:
 class TorchPipeline:
     """The same stages under ``torch.distributed.pipelining`` (``impl="torch"``): the parity
     and speed reference for labkit's executor. Its point-to-point traffic bypasses
-    labkit.comm, so its trace holds compute only. ``run`` has the executor's signature."""
+    labkit.comm, so its trace holds compute only. ``run`` has the executor's signature.
+
+    GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble (an untied model: with the embedding and
+    head on one rank, torch 2.13's ZBV gets the shared weight's gradient wrong, so validate
+    refuses it). For ZB-V the stages keep their plain linears: PyTorch splits the input and
+    weight gradients itself."""
 
     def __init__(self, setup):
         from torch.distributed import pipelining as P

@@ -6,18 +6,22 @@
   activations; names a deadlock or a bad order;
 * :mod:`.stage`, :mod:`.executor` — the real GPT cut into stages, run by any schedule with
   activations and gradients moving through :mod:`labkit.comm`;
-* :mod:`.jobs` — ``pipeline_train`` (the cluster job), ``torch_pipeline_train``
-  (``torch.distributed.pipelining``, for parity and speed) and ``reference`` (one process);
 * :mod:`.bubble` — bubble, per-rank idle and MFU ceiling measured from a run's trace,
-  beside the simulator fed the measured costs, rung by rung.
-* :mod:`.lab` — what ``labkit run --pp`` and the explorer run and show: a config deep
-  enough for its stages, ``pipeline_train`` plus FLOPs and MFU, the per-rank report.
+  beside the simulator fed the measured costs, rung by rung; :mod:`.machine` the terms a
+  CPU machine adds (shared cores, the executor's time per action);
+* :mod:`.report` — the per-rank pipeline report of a run of the one training job
+  (:func:`labkit.jobs.train` with ``pp > 1``: :mod:`labkit.train.pipeline` builds the
+  executor, or PyTorch's schedule for ``impl="torch"``);
+* :mod:`.presets` — ``PP_TINY`` and ``PP_BALANCED``, models deep enough for 8 stages.
+* :mod:`.config`, :mod:`.jobs`, :mod:`.lab` — the dedicated pipeline job
+  (``PipelineConfig``, ``pipeline_train``) that the explorer's pipeline mode still runs.
 
 Importing this package does not import torch (the executor and jobs do, when imported).
 """
 from .actions import Action, Schedule
 from .bubble import BubbleReport, measure_bubble
-from .config import PP_BALANCED, PP_TINY, PipelineConfig
+from .config import PipelineConfig
+from .presets import PP_BALANCED, PP_TINY
 from .schedules import SCHEDULES, build, with_comms
 from .simulate import ScheduleError, SimResult, simulate
 

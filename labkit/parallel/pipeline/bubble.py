@@ -12,28 +12,30 @@ window. Averaged over the measured flushes:
 The prediction runs :func:`~.simulate.simulate` on the same schedule, built up in rungs so
 that each source of idle time is named (:attr:`BubbleReport.ladder`):
 
-1. unit costs — for GPipe and 1F1B the lecture's ``(P−1)/(M+P−1)``;
-2. each stage's measured mean ``F``/``B``/``W`` (``BW``) durations — stage imbalance (the
-   embedding on the first stage, the head and loss on the last) and ``B ≈ 2F``;
-3. plus ``comm`` per cross-rank hop — a separately measured one-way message time. This
-   rung is :attr:`BubbleReport.predicted`: every input is measured apart from the idle
-   time it predicts;
-4. with the executor's overheads measured from the same trace (:func:`overheads`)
-   instead: ``hop_s``, the mean time from a producer's span end to the consumer's span
-   start when the consumer waited for it, and ``dispatch_s``, the mean gap between two
-   spans of one rank when it did not wait. This rung is :attr:`BubbleReport.explained`:
-   it says how much of the remaining gap is per-action executor time, which grows with
-   the number of actions per rank (interleaved and ZB-V have twice as many). Means of the
-   gaps make it an upper-end estimate when ranks share cores: a long gap (a rank waiting
-   for a core) that in the run overlapped a wait is counted again on every edge.
+1. ``unit`` — unit costs: for GPipe and 1F1B the lecture's ``(P−1)/(M+P−1)``;
+2. ``dedicated`` — each stage's measured mean ``F``/``B``/``W`` (``BW``) work and the
+   separately measured one-way message time per hop (``comm``), on a processor per rank:
+   stage imbalance (the embedding on the first stage, the head and loss on the last),
+   ``B ≈ 2F``, messages. This is the schedule on a GPU per rank;
+3. ``predicted`` — the schedule *on this machine*: the same, plus the two terms a CPU
+   machine adds, each measured and named (:mod:`.machine`): the ``cores`` the ranks got
+   while computing (ranks that compute at once share them), and the executor's own CPU
+   time per action (``executor_s``). Where the spans carry no CPU times (a trace made
+   by hand), rungs 2 and 3 use the spans' wall durations and rung 3 adds nothing.
 
-Two more numbers check the model:
+The stage costs are CPU seconds when the spans carry them (the work, which stays the same
+when a span stretches because it shares a core) and wall seconds otherwise.
 
-* ``replayed_bubble`` — the simulator fed every action's *own* measured duration, with no
-  communication: the bubble the schedule forces given the real, jittery span lengths. The
-  measured bubble can never be below it (the run obeyed the same order and dependencies).
-* ``fitted_comm_s`` — the single per-hop delay that, added to every cross-rank edge of the
-  replay, reproduces the measured window.
+Diagnostics beside the prediction:
+
+* ``replayed_bubble`` — the simulator fed every action's *own* measured wall duration, no
+  communication: the bubble the schedule forces given the real, jittery span lengths.
+* ``fitted_comm_s`` — the per-hop delay that makes that replay last as long as the run.
+* ``explained`` — rung 2 with the wall-clock ``hop_s`` and ``dispatch_s`` gaps read from
+  the trace (:func:`~.machine.overheads`) instead of the message time: an upper-end
+  estimate when ranks share cores (a wait for a core is counted on every edge).
+* :func:`bubble_bands` — the measured bubble as a waterfall of named, modelled bands
+  (schedule, stage costs and messages, shared cores, executor, unexplained rest).
 """
 from __future__ import annotations
 
@@ -43,25 +45,31 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import machine
 from .schedules import Action, Schedule
 from .simulate import UNIT, SimResult, simulate
 
-__all__ = ["BubbleReport", "measure_bubble", "overheads", "stage_costs"]
+__all__ = ["BubbleReport", "measure_bubble", "overheads", "stage_costs", "bubble_bands"]
 
 KINDS = ("F", "B", "W", "BW")
 
 
-def _spans(trace, skip_steps: int) -> list:
+def _spans(trace, skip_steps: int, instrumented: bool = False) -> list:
+    """Pipeline compute spans at steps ``>= skip_steps``; a step run under the memory
+    tracker (``instrumented`` in its args: its spans stretch several-fold) only with
+    ``instrumented=True``."""
     events = trace.events if hasattr(trace, "events") else trace
     return [e for e in events if e.cat == "compute" and e.name in KINDS
-            and "stage" in e.args and e.step >= skip_steps]
+            and "stage" in e.args and e.step >= skip_steps
+            and (instrumented or "instrumented" not in e.args)]
 
 
-def stage_costs(trace, schedule: Schedule, skip_steps: int = 1) -> dict:
-    """``{kind: [mean seconds per stage]}`` for the kinds the schedule uses."""
+def stage_costs(trace, schedule: Schedule, skip_steps: int = 1, cpu: bool = False) -> dict:
+    """``{kind: [mean seconds per stage]}`` for the kinds the schedule uses: wall durations,
+    or with ``cpu`` the spans' CPU seconds (``cpu_s``)."""
     acc: dict = defaultdict(list)
     for e in _spans(trace, skip_steps):
-        acc[(e.name, e.args["stage"])].append(e.duration)
+        acc[(e.name, e.args["stage"])].append(e.args["cpu_s"] if cpu else e.duration)
     out = {}
     for kind in {k for k, _ in acc}:
         per = [acc.get((kind, s), []) for s in range(schedule.n_stages)]
@@ -72,44 +80,10 @@ def stage_costs(trace, schedule: Schedule, skip_steps: int = 1) -> dict:
     return out
 
 
-def _producer(e, index: dict, schedule: Schedule):
-    """The span on another rank whose output ``e`` consumes, or ``None``."""
-    s, i, n = e.args["stage"], e.args["microbatch"], schedule.n_stages
-    if e.name == "F" and s > 0:
-        src = index.get((e.step, e.args.get("flush", 0), "F", s - 1, i))
-    elif e.name in ("B", "BW") and s < n - 1:
-        src = index.get((e.step, e.args.get("flush", 0), "B", s + 1, i))
-    else:
-        return None
-    return src if src is not None and src.rank != e.rank else None
-
-
 def overheads(trace, schedule: Schedule, skip_steps: int = 1) -> tuple:
-    """``(dispatch_s, hop_s)``: the executor's time between compute spans, in seconds.
-
-    For each span after a rank's first in a flush: when it consumes a tensor from another
-    rank whose producing span ended after this rank's previous span, the rank waited, and
-    ``start − producer end`` is one hop sample (message time plus the consumer's dispatch);
-    otherwise ``start − previous end`` is one dispatch sample. Returns the means (``0.0``
-    where there are no samples). Needs one clock for all ranks: true on one machine.
-    """
+    """``(dispatch_s, hop_s)`` of the measured flushes (:func:`~.machine.overheads`)."""
     spans, _ = _measured_spans(trace, skip_steps)
-    index = {(e.step, e.args.get("flush", 0), "B" if e.name == "BW" else e.name,
-              e.args["stage"], e.args["microbatch"]): e for e in spans}
-    lanes: dict = defaultdict(list)
-    for e in spans:
-        lanes[(e.rank, e.step, e.args.get("flush", 0))].append(e)
-    dispatch, hop = [], []
-    for lane in lanes.values():
-        lane.sort(key=lambda e: e.start)
-        for prev, e in zip(lane, lane[1:]):
-            src = _producer(e, index, schedule)
-            if src is not None and src.end > prev.end:
-                hop.append(max(0.0, e.start - src.end))
-            else:
-                dispatch.append(max(0.0, e.start - prev.end))
-    mean = lambda v: sum(v) / len(v) if v else 0.0  # noqa: E731
-    return mean(dispatch), mean(hop)
+    return machine.overheads(spans, schedule)
 
 
 @dataclass
@@ -119,10 +93,16 @@ class BubbleReport:
     Attributes:
         window: mean flush makespan; busy, idle: per rank, mean per flush.
         bubble: measured idle/total; bubble_vs_ideal: measured Σ idle / Σ busy.
-        predicted: the :class:`~.simulate.SimResult` with measured per-stage costs and
-            ``comm`` per cross-rank hop (rung 3).
-        explained: the same with the trace's hop and dispatch times instead (rung 4).
-        dispatch_s, hop_s: the measured overheads (:func:`overheads`), seconds.
+        costs: per-stage mean wall durations ``{kind: [s]}``; work: the costs the
+            simulator is fed (CPU seconds when the trace has them, else ``costs``).
+        unit: the unit-cost simulation (the lecture's numbers).
+        dedicated: measured work and ``comm`` per hop, a processor per rank (rung 2).
+        predicted: the schedule on this machine (rung 3): ``dedicated`` plus ``cores`` and
+            ``executor_s``.
+        cores: the cores the ranks got while computing (:func:`~.machine.shared_cores`),
+            ``None`` = no sharing seen; executor_s: the executor's CPU seconds per action.
+        comm_s: the message time per hop fed to rungs 2 and 3.
+        explained, dispatch_s, hop_s: the wall-gap diagnostic (module docstring).
         flushes: how many flushes were averaged.
     """
 
@@ -140,6 +120,10 @@ class BubbleReport:
     dispatch_s: float = 0.0
     hop_s: float = 0.0
     comm_s: float = 0.0
+    work: Optional[dict] = None
+    dedicated: Optional[SimResult] = None
+    cores: Optional[float] = None
+    executor_s: float = 0.0
 
     @property
     def bubble(self) -> float:
@@ -162,27 +146,40 @@ class BubbleReport:
         return 1.0 - self.predicted.bubble
 
     @property
+    def unit(self) -> SimResult:
+        return simulate(self.schedule, UNIT)
+
+    @property
     def gap_pp(self) -> float:
         """Measured − predicted bubble, in percentage points."""
         return 100.0 * (self.bubble - self.predicted.bubble)
 
     @property
     def explained_gap_pp(self) -> float:
-        """Measured − explained (rung 4) bubble, in percentage points."""
+        """Measured − explained (wall-gap diagnostic) bubble, in percentage points."""
         return 100.0 * (self.bubble - self.explained.bubble) if self.explained else 0.0
+
+    def rungs(self) -> list:
+        """``[(key, label, bubble)]``: keys ``unit``, ``stage``, ``message``, then ``cores``
+        and ``executor`` where measured, then ``measured``; each rung adds one named,
+        measured term to the one before."""
+        s, work = self.schedule, self.work or self.costs
+        out = [("unit", "unit costs", self.unit.bubble),
+               ("stage", "+ measured stage costs", simulate(s, work).bubble),
+               ("message", f"+ message time {1e3 * self.comm_s:.2f} ms/hop",
+                (self.dedicated or self.predicted).bubble)]
+        if self.cores is not None:
+            out.append(("cores", f"+ shared cores ({self.cores:.2f} for {s.pp} ranks)",
+                        simulate(s, work, self.comm_s, cores=self.cores).bubble))
+        if self.executor_s:
+            out.append(("executor", f"+ executor {1e3 * self.executor_s:.2f} ms/action",
+                        self.predicted.bubble))
+        return out + [("measured", "measured", self.bubble)]
 
     @property
     def ladder(self) -> list:
         """``[(rung, bubble)]`` from the unit-cost formula to the measured bubble."""
-        s = self.schedule
-        unit = simulate(s, UNIT).bubble
-        costs = simulate(s, self.costs).bubble
-        rungs = [("unit costs", unit), ("+ measured stage costs", costs),
-                 (f"+ message time {1e3 * self.comm_s:.2f} ms/hop", self.predicted.bubble)]
-        if self.explained is not None:
-            rungs.append((f"+ executor: hop {1e3 * self.hop_s:.2f} ms (message included), "
-                          f"dispatch {1e3 * self.dispatch_s:.2f} ms", self.explained.bubble))
-        return rungs + [("measured", self.bubble)]
+        return [(label, b) for _, label, b in self.rungs()]
 
     def ladder_text(self) -> str:
         """The :attr:`ladder` on one line: ``"unit costs 42.9% → … → measured 45.1%"``."""
@@ -194,28 +191,48 @@ class BubbleReport:
                 for r, (b, i, p) in enumerate(zip(self.busy, self.idle, self.predicted.idle))]
 
     def summary(self) -> str:
-        """One line: measured and simulated bubble with their gap, the same with the
-        executor's measured hop and dispatch times (:attr:`explained`), and the MFU
-        ceiling (1 − measured bubble)."""
+        """One line: measured bubble, the simulation on this machine (with its measured
+        terms) and their gap, the unit-cost bubble, and the MFU ceiling."""
         s = self.schedule
-        line = (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
-                f"{self.bubble:6.1%}, simulated from measured costs "
-                f"{self.predicted.bubble:6.1%} "
-                f"(gap {self.gap_pp:+.1f} pp)")
-        if self.explained is not None:
-            line += (f", with the executor's hop {self.hop_s * 1e3:.2f} ms and dispatch "
-                     f"{self.dispatch_s * 1e3:.2f} ms {self.explained.bubble:.1%} "
-                     f"(gap {self.explained_gap_pp:+.1f} pp)")
-        return line + f"; MFU ceiling {self.mfu_ceiling:.1%}"
+        terms = []
+        if self.cores is not None:
+            terms.append(f"{self.cores:.2f} cores")
+        if self.executor_s:
+            terms.append(f"executor {1e3 * self.executor_s:.2f} ms/action")
+        terms.append(f"message {1e3 * self.comm_s:.2f} ms/hop")
+        return (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
+                f"{self.bubble:6.1%}, simulated on this machine {self.predicted.bubble:6.1%} "
+                f"(gap {self.gap_pp:+.1f} pp; measured stage costs, {', '.join(terms)}), "
+                f"unit costs {self.unit.bubble:.1%}; MFU ceiling {self.mfu_ceiling:.1%}")
+
+
+def bubble_bands(report: BubbleReport) -> list:
+    """The measured bubble as a waterfall of named bands, for a figure.
+
+    Returns ``[{"name", "delta", "bubble"}]`` (fractions of the window), in order:
+    ``"schedule"`` (the unit-cost bubble), ``"stage costs + messages"`` (the schedule on a
+    processor per rank), ``"shared cores"`` and ``"executor"`` (where measured), and
+    ``"unexplained"`` (measured − predicted). ``delta`` is what the band adds, ``bubble``
+    the running total: the last equals the measured bubble. A delta can be negative
+    (on shared cores stretched spans fill idle time).
+    """
+    names = {"unit": "schedule", "message": "stage costs + messages",
+             "cores": "shared cores", "executor": "executor", "measured": "unexplained"}
+    out, prev = [], 0.0
+    for key, _, b in report.rungs():
+        if key in names:
+            out.append({"name": names[key], "delta": b - prev, "bubble": b})
+            prev = b
+    return out
 
 
 def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
                    comm: float = 0.0) -> BubbleReport:
     """Bubble of the flushes recorded in ``trace`` (a :class:`~labkit.trace.Trace`, or a
     list of events) at steps ``>= skip_steps`` (step 0 pays one-off allocation costs; when
-    it is the only step, it is used). ``comm`` (seconds, e.g. the job's measured
-    ``p2p_latency_s``) is added to every cross-rank hop of the prediction; ``explained``
-    uses the hop and dispatch times measured from the trace instead.
+    it is the only step, it is used; a step run under the memory tracker is left out
+    unless nothing else ran). ``comm`` (seconds, e.g. the job's measured
+    ``p2p_latency_s``) is added to every cross-rank hop of the prediction.
 
     Raises:
         TypeError: ``schedule`` is not a :class:`~.schedules.Schedule`.
@@ -236,9 +253,7 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
         raise ValueError(f"comm must be a finite number of seconds >= 0, got {comm!r}")
     skip_steps, comm = int(skip_steps), float(comm)
     spans, used_skip = _measured_spans(trace, skip_steps)
-    groups: dict = defaultdict(list)
-    for e in spans:
-        groups[(e.step, e.args.get("flush", 0))].append(e)
+    groups = machine.flushes(spans)
     p = schedule.pp
     # each rank runs its list in order, so its spans sorted by start spell the list
     want = [[(a.kind, a.stage, a.microbatch) for a in acts if a.is_compute]
@@ -260,18 +275,24 @@ def measure_bubble(trace, schedule: Schedule, skip_steps: int = 1,
         per_flush.append((t1 - t0, busy))
         durations = {Action(e.args["stage"], e.name, e.args["microbatch"]): e.duration
                      for e in ev}
-        replay = simulate(schedule, UNIT, 0.0, durations)
-        replayed.append(replay.bubble)
-        fitted.append(_fit_comm(schedule, durations, t1 - t0))
+        replayed.append(simulate(schedule, UNIT, 0.0, durations).bubble)
+        fitted.append(machine.fit_comm(schedule, durations, t1 - t0))
     n = len(per_flush)
     window = sum(w for w, _ in per_flush) / n
     busy = [sum(b[r] for _, b in per_flush) / n for r in range(p)]
     costs = stage_costs(spans, schedule, used_skip)
-    dispatch, hop = overheads(spans, schedule, used_skip)
+    has_cpu = all("cpu_s" in e.args for e in spans)
+    work = stage_costs(spans, schedule, used_skip, cpu=True) if has_cpu else costs
+    cores = machine.shared_cores(spans, p)
+    executor_s = machine.executor_time(spans)
+    dedicated = simulate(schedule, work, comm)
+    predicted = (simulate(schedule, work, comm, dispatch=executor_s, cores=cores)
+                 if cores is not None or executor_s else dedicated)
+    dispatch, hop = machine.overheads(spans, schedule)
     return BubbleReport(schedule, window, busy, [window - b for b in busy], costs,
-                        simulate(schedule, costs, comm), n, per_flush, sum(replayed) / n,
-                        sum(fitted) / n, simulate(schedule, costs, hop, dispatch=dispatch),
-                        dispatch, hop, comm)
+                        predicted, n, per_flush, sum(replayed) / n, sum(fitted) / n,
+                        simulate(schedule, costs, hop, dispatch=dispatch), dispatch, hop, comm,
+                        work, dedicated, cores, executor_s)
 
 
 def _measured_spans(trace, skip_steps: int) -> tuple:
@@ -284,7 +305,7 @@ def _measured_spans(trace, skip_steps: int) -> tuple:
     spans = _spans(trace, skip_steps)
     if spans:
         return spans, skip_steps
-    every = _spans(trace, 0)
+    every = _spans(trace, 0) or _spans(trace, 0, instrumented=True)
     if not every:
         raise ValueError("no pipeline compute spans (F/B/W/BW with a 'stage' arg) in the trace")
     steps = sorted({e.step for e in every})
@@ -292,17 +313,3 @@ def _measured_spans(trace, skip_steps: int) -> tuple:
         raise ValueError(f"skip_steps={skip_steps} leaves no flush: the trace holds steps "
                          f"{steps[0]}–{steps[-1]}")
     return every, 0
-
-
-def _fit_comm(schedule: Schedule, durations: dict, window: float) -> float:
-    """Per-hop delay (seconds) that makes the replay's makespan equal ``window``."""
-    lo, hi = 0.0, window
-    if simulate(schedule, UNIT, 0.0, durations).makespan >= window:
-        return 0.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if simulate(schedule, UNIT, mid, durations).makespan < window:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2

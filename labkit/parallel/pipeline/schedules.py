@@ -240,22 +240,52 @@ def build(name: str, p: int, m: int, v: Optional[int] = None) -> Schedule:
     return SCHEDULES[name](p, m, v)
 
 
-def with_comms(sched: Schedule, prefetch: int = 0) -> Schedule:
+def with_comms(sched: Schedule, prefetch: int = 0, early: bool = False) -> Schedule:
     """Lower a compute-only schedule: add a ``RECV_F``/``RECV_B`` before the compute that
-    needs data from another rank — ``prefetch`` compute actions earlier, so the transfer
-    overlaps them — and a ``SEND_F``/``SEND_B`` right after the compute that produces it.
-    Edges between two stages of one rank need no message."""
+    needs data from another rank and a ``SEND_F``/``SEND_B`` right after the compute that
+    produces it. Edges between two stages of one rank need no message.
+
+    A receive goes ``prefetch`` compute actions before the one that needs it; with
+    ``early`` it goes earlier where the schedule allows: right after the consumer's last
+    action that ends before the producing action starts, in the schedule's unit-cost
+    timeline (:func:`~.simulate.simulate`). So the receive is already posted when the
+    producer sends — on gloo, whose transfers start once both ends are posted, the sender
+    then writes at once instead of waiting for its peer's "ready" — while at most the
+    messages of about one action per peer are posted ahead (bounded buffer memory).
+    """
     n = sched.n_stages
+    end = start = {}
+    if early:
+        from .simulate import simulate  # the simulator imports this module
+
+        spans = simulate(sched).spans
+        start = {(sp.action.kind, sp.action.stage, sp.action.microbatch): sp.start
+                 for sp in spans}
+        end = {(sp.action.kind, sp.action.stage, sp.action.microbatch): sp.end
+               for sp in spans}
+        for (kind, s, i), t in list(start.items()):
+            if kind == "BW":
+                start[("B", s, i)] = t
     out = []
     for r, acts in enumerate(sched.actions):
         comp = [a for a in acts if a.is_compute]
         recvs: list = [[] for _ in comp]
+
+        def slot(k: int, producer: tuple) -> int:
+            at = max(0, k - prefetch)
+            if early:
+                t = start[producer]
+                ended = [j for j in range(k) if end[(comp[j].kind, comp[j].stage,
+                                                     comp[j].microbatch)] <= t]
+                at = min(at, ended[-1] + 1 if ended else 0)
+            return at
+
         for k, a in enumerate(comp):
             s, i = a.stage, a.microbatch
             if a.kind == "F" and s > 0 and sched.stage_rank(s - 1) != r:
-                recvs[max(0, k - prefetch)].append(Action(s, "RECV_F", i))
+                recvs[slot(k, ("F", s - 1, i))].append(Action(s, "RECV_F", i))
             if a.kind in ("B", "BW") and s < n - 1 and sched.stage_rank(s + 1) != r:
-                recvs[max(0, k - prefetch)].append(Action(s, "RECV_B", i))
+                recvs[slot(k, ("B", s + 1, i))].append(Action(s, "RECV_B", i))
         seq = []
         for k, a in enumerate(comp):
             s, i = a.stage, a.microbatch

@@ -16,9 +16,18 @@ Two bubble definitions (both returned, tests say which they use):
 
 Activation memory is counted in stage-microbatches: one is held on a rank from the start of
 its ``F`` until its ``BW`` (or its ``W``) finishes.
+
+Shared processors (``cores``): on a machine with fewer cores than ranks (CPU ranks on a
+laptop, the lab's 2-core machine) the ranks that compute at the same moment share the cores.
+With ``cores = c`` the simulator runs the operating system's ideal, processor sharing: while
+``k`` ranks compute, each progresses at ``min(1, c/k)`` of full speed, so a cost is one
+core's seconds of work (CPU time) and a span lasts longer when more ranks compute beside it.
+``cores=None`` (the default) gives every rank its own processor, as on a GPU per rank.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
@@ -155,24 +164,33 @@ def _deps(a: Action, sched: Schedule, comm: float) -> list:
 
 def simulate(sched: Schedule, costs: Mapping[str, Cost] = UNIT, comm: float = 0.0,
              durations: Optional[Mapping[Action, float]] = None,
-             dispatch: float = 0.0) -> SimResult:
+             dispatch: float = 0.0, cores: Optional[float] = None) -> SimResult:
     """Run ``sched`` on paper with ``costs`` = ``{"F", "B", "W"[, "BW"]}``, each a number or
     a per-stage list (``BW`` defaults to ``B + W``); ``comm`` is added to every cross-rank
     edge. Send/recv actions in a lowered schedule are ignored (their cost is ``comm``).
     ``durations`` (``{Action: seconds}``) overrides the cost of individual actions — to
     replay a measured run with its own span lengths. ``dispatch`` is the least idle time
     between two consecutive actions of one rank (a real executor's bookkeeping: posting
-    messages, Python between kernels); it counts as idle, like the bubble.
+    messages, Python between kernels); it counts as idle, like the bubble. ``cores``: the
+    ranks share that many processors (see the module docstring); ``None`` = one each.
 
     Raises:
         ScheduleError: incomplete schedule, a stage on the wrong rank, a rank that runs an
             action before one of its own that it depends on ("bad order"), or ranks waiting
             on each other ("deadlock"); the message names the actions.
+        ValueError: ``cores`` not a finite number > 0.
     """
     validate_schedule(sched)
     cost = _cost_fn(costs, sched.n_stages)
     acts = [[a for a in rank_acts if a.is_compute] for rank_acts in sched.actions]
     p = sched.pp
+    if cores is not None:
+        if isinstance(cores, bool) or not isinstance(cores, numbers.Real) \
+                or not math.isfinite(cores) or cores <= 0:
+            raise ValueError(f"cores must be a finite number > 0 (or None), got {cores!r}")
+        if cores < p:
+            return _simulate_shared(sched, costs, acts, cost, comm, durations, dispatch,
+                                    float(cores))
     finish: dict = {}
     free, ptr = [0.0] * p, [0] * p
     spans: list = []
@@ -196,6 +214,11 @@ def simulate(sched: Schedule, costs: Mapping[str, Cost] = UNIT, comm: float = 0.
                 free[r] = end
                 ptr[r] += 1
                 progress = True
+    return _result(sched, costs, acts, ptr, finish, spans)
+
+
+def _result(sched: Schedule, costs, acts, ptr, finish, spans) -> SimResult:
+    p = sched.pp
     stuck = [r for r in range(p) if ptr[r] < len(acts[r])]
     if stuck:
         raise ScheduleError(_explain(sched, acts, ptr, stuck, finish))
@@ -204,6 +227,49 @@ def simulate(sched: Schedule, costs: Mapping[str, Cost] = UNIT, comm: float = 0.
     busy = [sum(sp.end - sp.start for sp in spans if sp.rank == r) for r in range(p)]
     return SimResult(sched, dict(costs), makespan, busy, [makespan - b for b in busy],
                      peak_inflight(spans, p), sorted(spans, key=lambda sp: (sp.start, sp.rank)))
+
+
+def _simulate_shared(sched: Schedule, costs, acts, cost, comm: float, durations, dispatch: float,
+                     cores: float) -> SimResult:
+    """Event-driven processor sharing: between two events (a span's end, a planned start)
+    the ``k`` running spans each progress at ``min(1, cores/k)``."""
+    p = sched.pp
+    finish: dict = {}
+    ptr, free = [0] * p, [0.0] * p
+    cur: list = [None] * p  # [action, start, work left]
+    spans: list = []
+    t = 0.0
+    while True:
+        for r in range(p):
+            if cur[r] is None and ptr[r] < len(acts[r]):
+                a = acts[r][ptr[r]]
+                deps = _deps(a, sched, comm)
+                if all(k in finish for k, _ in deps):
+                    gap = dispatch if ptr[r] else 0.0
+                    start = max([free[r] + gap] + [finish[k] + lat for k, lat in deps])
+                    work = durations[a] if durations and a in durations else cost(a.kind, a.stage)
+                    cur[r] = [a, start, work]
+        live = [r for r in range(p) if cur[r] is not None]
+        if not live:
+            break
+        running = [r for r in live if cur[r][1] <= t]
+        nxt = min((cur[r][1] for r in live if cur[r][1] > t), default=math.inf)
+        rate = min(1.0, cores / len(running)) if running else 0.0
+        if running:
+            nxt = min(nxt, t + min(cur[r][2] for r in running) / rate)
+        for r in running:
+            cur[r][2] -= rate * (nxt - t)
+        t = nxt
+        for r in running:
+            a, start, left = cur[r]
+            if left <= 1e-12 * max(1.0, t):
+                spans.append(Span(r, a, start, t))
+                finish[(a.kind, a.stage, a.microbatch)] = t
+                if a.kind == "BW":
+                    finish[("B", a.stage, a.microbatch)] = t
+                free[r], cur[r] = t, None
+                ptr[r] += 1
+    return _result(sched, costs, acts, ptr, finish, spans)
 
 
 def peak_inflight(spans: Sequence[Span], p: int) -> list:

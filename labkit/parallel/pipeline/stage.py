@@ -9,9 +9,9 @@
   computes only ``dX = dY·W`` and stores ``(X, dY)``; ``W`` later computes
   ``dW = dYᵀ·X``. Nothing downstream waits for ``dW``, so ``W`` can move into bubbles.
   (RMSNorm weights and the embedding are cheap and still get their gradients during ``B``.)
-* :class:`ActivationMeter` — saved-for-backward bytes per stage-microbatch, counted with
+* :class:`ActivationMeter` — saved-for-backward bytes per stage-microbatch, seen with
   ``torch.autograd.graph.saved_tensors_hooks`` (parameters and buffers excluded, each
-  storage once), live from ``F`` until ``BW``/``W`` releases them.
+  storage once) and live until the storage itself is freed (a weak reference's callback).
 
 Tied embeddings: every rank builds the full GPT from the seed and keeps its stages, so when
 the first and last stage share a rank (``P = 1``, ZB-V) the head *is* the embedding
@@ -21,9 +21,10 @@ Shoeybi et al. 2019, done point-to-point), so both copies take the same update.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,11 @@ class WeightGradStore:
     def add(self, module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
         self.pending[self.key].append((module, x, grad))
 
+    @torch.no_grad()
     def flush(self, key) -> None:
+        # without no_grad, dW would carry a graph back through X to the stage's input (X
+        # comes from the saved tensors, which still require grad): every microbatch's
+        # activations would stay alive in .grad until the optimizer step
         for module, x, g in self.pending.pop(key, []):
             gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
             w = module.weight
@@ -170,19 +175,48 @@ def _swap_linears(module: nn.Module, store: WeightGradStore) -> None:
 
 
 class ActivationMeter:
-    """Bytes saved for backward per stage-microbatch, and their peak on this rank.
+    """Bytes saved for backward per stage-microbatch, and their peak on this rank, measured
+    from the saved tensors themselves.
+
+    Under :meth:`forward` a saved-tensor pack hook sees every tensor autograd keeps for
+    backward; the meter counts each storage once (parameters, buffers and the storages
+    passed to :meth:`ignore` excluded) and holds a weak reference to it, whose callback
+    fires when the storage is freed — when the backward pass (or the ``W`` pass, or
+    anything else still holding it) lets go. So what is live is what memory still holds,
+    whoever holds it; nothing here is told when an activation "should" be released.
 
     Attributes:
-        live: ``{(stage, microbatch): bytes}`` currently held.
-        peak_bytes, peak_count: the most bytes / stage-microbatches held at once.
+        live: ``{(stage, microbatch): bytes}`` of storages still alive.
+        peak_bytes: the most saved bytes alive at once (sampled at every pack).
+        peak_count: the most stage-microbatches with any saved storage alive at once.
     """
 
     def __init__(self, modules: list, enabled: bool = True):
         self.enabled = enabled
         self.exclude = {t.untyped_storage().data_ptr() for m in modules
                         for t in list(m.parameters()) + list(m.buffers())}
+        self.ignored: set = set()
+        self._storages: dict = {}  # data_ptr -> [weakref, bytes, key it was first saved under]
         self.live: dict = {}
+        self._refs: dict = defaultdict(int)  # key -> live storages first saved under it
         self.peak_bytes = self.peak_count = 0
+        self._bytes = 0
+
+    def ignore(self, *tensors: torch.Tensor) -> None:
+        """Do not count these tensors' storages (e.g. the flush's input batch: data, not
+        activations). Replaces the previous call's set."""
+        self.ignored = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def _freed(self, ptr: int) -> None:
+        entry = self._storages.pop(ptr, None)
+        if entry is None:
+            return
+        _, nbytes, key = entry
+        self._bytes -= nbytes
+        self.live[key] -= nbytes
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key], self.live[key]
 
     @contextmanager
     def forward(self, key) -> Iterator[None]:
@@ -190,45 +224,59 @@ class ActivationMeter:
         if not self.enabled:
             yield
             return
-        seen: set = set()
-        total = [0]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr not in self.exclude and ptr not in seen:
-                seen.add(ptr)
-                total[0] += st.nbytes()
+            if ptr in self.exclude or ptr in self.ignored or ptr in self._storages \
+                    or st.nbytes() == 0:
+                return t
+            ref = weakref.ref(st, lambda _r, ptr=ptr: self._freed(ptr))
+            self._storages[ptr] = [ref, st.nbytes(), key]
+            self._bytes += st.nbytes()
+            self.live[key] = self.live.get(key, 0) + st.nbytes()
+            self._refs[key] += 1
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+            self.peak_count = max(self.peak_count, len(self._refs))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        self.live[key] = total[0]
-        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
-        self.peak_count = max(self.peak_count, len(self.live))
-
-    def release(self, key) -> None:
-        self.live.pop(key, None)
 
 
 class TiedEmbedding:
     """Sum the tied embedding/head gradient between the first and last stage's ranks.
 
     A no-op when the model is untied or both stages are on one rank (one parameter).
-    ``rank`` is the pipeline rank (stage rank) and ``pp_ranks[i]`` the global rank of
-    pipeline rank ``i`` (default ``0 … P−1``)."""
+
+    Args:
+        model_cfg: the model (``tie_embeddings``).
+        schedule: the pipeline :class:`~.actions.Schedule` (which stage-rank holds stage 0
+            and the last stage).
+        rank: this rank's stage-rank ``0 … P−1``.
+        stages: ``{stage: StageModule}`` this rank holds.
+        group: the pipeline process group.
+        pp_ranks: global rank of each stage-rank (``None`` = ``0 … P−1``): the peer is
+            addressed by its global rank, so pipelines on other ranks of the pool can run
+            at the same time.
+
+    Raises:
+        ValueError: a bad ``pp_ranks`` (see :func:`~.executor.check_pp_ranks`).
+    """
 
     TAG = 2**30 - 1
 
     def __init__(self, model_cfg: ModelConfig, schedule, rank: int, stages: dict, group=None,
-                 pp_ranks: Optional[tuple] = None):
+                 pp_ranks: Optional[Sequence[int]] = None):
+        from .executor import check_pp_ranks
+
+        self.pp_ranks = check_pp_ranks(pp_ranks, schedule.pp)
         first, last = schedule.stage_rank(0), schedule.stage_rank(schedule.n_stages - 1)
-        ranks = tuple(pp_ranks) if pp_ranks is not None else tuple(range(schedule.pp))
         self.param, self.peer, self.group = None, None, group
         if model_cfg.tie_embeddings and first != last and rank in (first, last):
             mod = stages[0] if rank == first else stages[schedule.n_stages - 1]
             self.param = mod.tok_emb.weight if rank == first else mod.head.weight
-            self.peer = ranks[last if rank == first else first]
+            self.peer = self.pp_ranks[last if rank == first else first]
 
     def sync(self) -> None:
         if self.param is None or self.param.grad is None:
