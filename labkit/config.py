@@ -377,11 +377,3 @@ class RunConfig:
 
 
 _PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
-
-
-def check_optimizer_and_timeout(cfg) -> None:
-    """``lr`` > 0, ``weight_decay`` >= 0, ``seed`` >= 0, ``timeout_s`` > 0 (PipelineConfig)."""
-    from .validate import _fields
-
-    _fields(RunConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed,
-                      timeout_s=cfg.timeout_s))

@@ -13,17 +13,14 @@
   (:func:`labkit.jobs.train` with ``pp > 1``: :mod:`labkit.train.pipeline` builds the
   executor, or PyTorch's schedule for ``impl="torch"``);
 * :mod:`.presets` — ``PP_TINY`` and ``PP_BALANCED``, models deep enough for 8 stages.
-* :mod:`.config`, :mod:`.jobs`, :mod:`.lab` — the dedicated pipeline job
-  (``PipelineConfig``, ``pipeline_train``) that the explorer's pipeline mode still runs.
 
-Importing this package does not import torch (the executor and jobs do, when imported).
+Importing this package does not import torch (the executor does, when imported).
 """
 from .actions import Action, Schedule
 from .bubble import BubbleReport, measure_bubble
-from .config import PipelineConfig
 from .presets import PP_BALANCED, PP_TINY
 from .schedules import SCHEDULES, build, with_comms
 from .simulate import ScheduleError, SimResult, simulate
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "build", "with_comms", "simulate", "SimResult",
-           "ScheduleError", "PipelineConfig", "PP_TINY", "PP_BALANCED", "measure_bubble", "BubbleReport"]
+           "ScheduleError", "PP_TINY", "PP_BALANCED", "measure_bubble", "BubbleReport"]
