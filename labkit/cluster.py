@@ -29,6 +29,7 @@ import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
+from .config import RunConfig
 from .preflight import check_run_fits, check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
@@ -312,7 +313,7 @@ class Cluster:
         check_config(job, config)
         if hasattr(config, "validate"):
             config.validate(self.world_size)
-            if self.backend == "gloo" and getattr(config, "mesh", None) is not None:
+            if self.backend == "gloo" and isinstance(config, RunConfig):
                 check_run_fits(config)  # the model fits this machine's memory, as on the CLI
         if nranks is None:
             par = getattr(config, "parallel", None)

@@ -120,10 +120,7 @@ def check_run_fits(cfg) -> None:
 
     psi = count_params(mc)
     share = psi / (mesh.pp * mesh.tp)
-    # a job config without ZeRO or precision fields (the expert-parallel job's) keeps its
-    # model state whole, in fp32
-    stage = getattr(cfg, "zero_stage", 0)
-    bf16 = getattr(cfg, "precision", "fp32") == "bf16"
+    stage, bf16 = cfg.zero_stage, cfg.precision == "bf16"
     state = model_state_bytes(share, mesh.degree("fsdp") if stage else 1, stage,
                               mixed_precision=bf16 and stage > 0)["total"]
     per_rank = max(4.0 * psi, state)

@@ -44,8 +44,10 @@ def test_tour_run_all_three_times_leaves_world_size_ranks():
                 client.execute_cell(cell, index)
             counts.append(len(rank_processes(pid)))
         check = nbformat.v4.new_code_cell("print(sorted(cluster.pids))")
-        client.execute_cell(check, len(nb.cells))
+        nb.cells.append(check)
+        client.execute_cell(check, len(nb.cells) - 1)
         current = check.outputs[0]["text"].strip()
         ranks = sorted(rank_processes(pid))
+    print(f"rank processes after each Run All: {counts}")
     assert counts == [4, 4, 4], counts
     assert current == str(ranks)  # the four left are the current cluster's
