@@ -32,7 +32,9 @@ def make_executor(setup) -> tuple:
     the ``pp`` group; each stage's forward runs through its data-parallel wrapper; the loss
     is the sum over tokens (scaled by the step's ``1/tokens_per_step``)."""
     cfg, mg = setup.cfg, setup.mg
-    meter = ActivationMeter(list(setup.stages.values()), enabled=cfg.measure_memory)
+    flats = [u.flat for w in setup.sharded for u in getattr(w, "units", [])]
+    meter = ActivationMeter(list(setup.stages.values()), enabled=cfg.measure_memory,
+                            weights=tuple(flats))
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     ex = PipelineExecutor(setup.schedule, setup.stages, mg.index("pp"), mg.group("pp"),
                           boundary_shape(cfg), dtype if setup.sharded else torch.float32,

@@ -191,10 +191,14 @@ class ActivationMeter:
         peak_count: the most stage-microbatches with any saved storage alive at once.
     """
 
-    def __init__(self, modules: list, enabled: bool = True):
+    def __init__(self, modules: list, enabled: bool = True, weights: tuple = ()):
         self.enabled = enabled
-        self.exclude = {t.untyped_storage().data_ptr() for m in modules
+        # by storage object, not address: ZeRO-3 frees a unit's flat storage after use and
+        # re-gathers it at a new address; ``weights`` are such buffers (ZeRO's flat units),
+        # whose views the modules use as weights without owning them as parameters
+        self.exclude = {t.untyped_storage()._cdata for m in modules
                         for t in list(m.parameters()) + list(m.buffers())}
+        self.exclude |= {t.untyped_storage()._cdata for t in weights}
         self.ignored: set = set()
         self._storages: dict = {}  # data_ptr -> [weakref, bytes, key it was first saved under]
         self.live: dict = {}
@@ -228,7 +232,7 @@ class ActivationMeter:
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
             ptr = st.data_ptr()
-            if ptr in self.exclude or ptr in self.ignored or ptr in self._storages \
+            if st._cdata in self.exclude or ptr in self.ignored or ptr in self._storages \
                     or st.nbytes() == 0:
                 return t
             ref = weakref.ref(st, lambda _r, ptr=ptr: self._freed(ptr))
