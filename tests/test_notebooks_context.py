@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import nbformat
+from notebook_outputs import checked as _checked, checked_output as _checked_output, text as _text
 import pytest
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "07_context_parallel.ipynb"
@@ -21,21 +22,6 @@ MARK = "NBVAL_CHECK_OUTPUT"
 @pytest.fixture(scope="module")
 def cells():
     return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
-
-
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-
-
-def _checked(cells) -> list:
-    return [c for c in cells if MARK in c.source]
-
-
-def _checked_output(cells, needle: str) -> str:
-    """The stored output of the one checked cell whose source contains ``needle``."""
-    found = [c for c in _checked(cells) if needle in c.source]
-    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
-    return _text(found[0])
 
 
 def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import nbformat
+from notebook_outputs import checked as _checked, checked_output as _checked_output, text as _text
 import pytest
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "09_expert_parallel.ipynb"
@@ -24,21 +25,6 @@ E, K, H, TOKENS, RANKS = 4, 2, 64, 128, 4  # tiny-moe on 4 ranks, 2 sequences of
 @pytest.fixture(scope="module")
 def cells():
     return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
-
-
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-
-
-def _checked(cells) -> list:
-    return [c for c in cells if MARK in c.source]
-
-
-def _checked_output(cells, needle: str) -> str:
-    """The stored output of the one checked cell whose source contains ``needle``."""
-    found = [c for c in _checked(cells) if needle in c.source]
-    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
-    return _text(found[0])
 
 
 def _ints(s: str) -> list:

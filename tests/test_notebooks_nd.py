@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import nbformat
+from notebook_outputs import checked as _checked, checked_output as _out, text as _text
 import pytest
 
 from labkit.config import ParallelConfig, RunConfig
@@ -28,20 +29,6 @@ LAYOUTS = {"dp2 x tp2": dict(dp=2, tp=2), "tp2 x pp2": dict(tp=2, pp=2)}
 @pytest.fixture(scope="module")
 def cells():
     return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
-
-
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-
-
-def _checked(cells) -> list:
-    return [c for c in cells if MARK in c.source]
-
-
-def _out(cells, needle: str) -> str:
-    found = [c for c in _checked(cells) if needle in c.source]
-    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
-    return _text(found[0])
 
 
 def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):

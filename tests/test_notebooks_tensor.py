@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import nbformat
+from notebook_outputs import checked as _checked, checked_output as _checked_output, text as _text
 import pytest
 
 from labkit.config import preset
@@ -33,21 +34,6 @@ RUNS = {"tp1": (1, False), "tp2": (2, False), "tp4": (4, False), "tp2-sp": (2, T
 @pytest.fixture(scope="module")
 def cells():
     return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
-
-
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-
-
-def _checked(cells) -> list:
-    return [c for c in cells if MARK in c.source]
-
-
-def _checked_output(cells, needle: str) -> str:
-    """The stored output of the one checked cell whose source contains ``needle``."""
-    found = [c for c in _checked(cells) if needle in c.source]
-    assert len(found) == 1, f"expected one checked cell containing {needle!r}, got {len(found)}"
-    return _text(found[0])
 
 
 def _int(s: str) -> int:
