@@ -8,9 +8,11 @@ ranks.
 """
 from __future__ import annotations
 
+import numbers
+
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = ["Action", "Schedule", "COMPUTE_KINDS", "COMM_KINDS"]
 
@@ -93,3 +95,23 @@ class Schedule:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def check_pp_ranks(pp_ranks: Optional[Sequence[int]], pp: int) -> tuple:
+    """``pp_ranks`` as a tuple of ``pp`` distinct global ranks (``None`` → ``0 … pp−1``).
+
+    Raises:
+        ValueError: not ``pp`` entries, an entry that is not an int >= 0, or a repeat.
+    """
+    if pp_ranks is None:
+        return tuple(range(pp))
+    ranks = tuple(pp_ranks)
+    if len(ranks) != pp:
+        raise ValueError(f"pp_ranks={ranks} has {len(ranks)} entries for pp={pp} stage ranks")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0:
+            raise ValueError(f"pp_ranks={ranks}: every entry must be a global rank >= 0, "
+                             f"got {r!r}")
+    if len(set(ranks)) != pp:
+        raise ValueError(f"pp_ranks={ranks} repeats a global rank")
+    return tuple(int(r) for r in ranks)

@@ -34,7 +34,6 @@ messages and bookkeeping — its own time per action).
 from __future__ import annotations
 
 import contextlib
-import numbers
 import time
 from typing import Optional, Sequence
 
@@ -42,6 +41,7 @@ import torch
 
 from ... import comm
 from ...trace import COMPUTE, Event, current_tracer
+from .actions import check_pp_ranks
 from .schedules import Schedule, with_comms
 from .stage import ActivationMeter, WeightGradStore
 
@@ -51,26 +51,6 @@ __all__ = ["PipelineExecutor", "message_tag", "check_pp_ranks"]
 def message_tag(is_grad: bool, stage: int, microbatch: int, n_stages: int) -> int:
     """Unique tag of the activation sent *from* ``stage`` (or the gradient sent from it)."""
     return ((microbatch * n_stages + stage) * 2 + int(is_grad)) + 1
-
-
-def check_pp_ranks(pp_ranks: Optional[Sequence[int]], pp: int) -> tuple:
-    """``pp_ranks`` as a tuple of ``pp`` distinct global ranks (``None`` → ``0 … pp−1``).
-
-    Raises:
-        ValueError: not ``pp`` entries, an entry that is not an int >= 0, or a repeat.
-    """
-    if pp_ranks is None:
-        return tuple(range(pp))
-    ranks = tuple(pp_ranks)
-    if len(ranks) != pp:
-        raise ValueError(f"pp_ranks={ranks} has {len(ranks)} entries for pp={pp} stage ranks")
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0:
-            raise ValueError(f"pp_ranks={ranks}: every entry must be a global rank >= 0, "
-                             f"got {r!r}")
-    if len(set(ranks)) != pp:
-        raise ValueError(f"pp_ranks={ranks} repeats a global rank")
-    return tuple(int(r) for r in ranks)
 
 
 def _cpu_clock():

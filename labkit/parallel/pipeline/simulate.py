@@ -31,7 +31,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
-from .schedules import Action, Schedule
+from .actions import Action, Schedule
 
 __all__ = ["simulate", "SimResult", "Span", "ScheduleError", "validate_schedule"]
 

@@ -34,6 +34,7 @@ from ... import comm
 from ...config import ModelConfig
 from ...models import build_model
 from ...models.gpt import rope_slice
+from .actions import check_pp_ranks
 
 __all__ = ["StageModule", "build_stages", "layer_ranges", "SplitLinear", "WeightGradStore",
            "ActivationMeter", "TiedEmbedding"]
@@ -265,15 +266,13 @@ class TiedEmbedding:
             at the same time.
 
     Raises:
-        ValueError: a bad ``pp_ranks`` (see :func:`~.executor.check_pp_ranks`).
+        ValueError: a bad ``pp_ranks`` (see :func:`~.actions.check_pp_ranks`).
     """
 
     TAG = 2**30 - 1
 
     def __init__(self, model_cfg: ModelConfig, schedule, rank: int, stages: dict, group=None,
                  pp_ranks: Optional[Sequence[int]] = None):
-        from .executor import check_pp_ranks
-
         self.pp_ranks = check_pp_ranks(pp_ranks, schedule.pp)
         first, last = schedule.stage_rank(0), schedule.stage_rank(schedule.n_stages - 1)
         self.param, self.peer, self.group = None, None, group
