@@ -6,6 +6,12 @@ so a server of ``gpus_per_server`` consecutive ranks holds whole tensor-parallel
 ``tp`` divides it: TP stays inside the server, the other axes cross servers (claim C34).
 Hovering a rank shows its ``[TP, CP, PP, DP]`` coordinates (Llama 3's order, Dubey et al.
 2024 §3.3.2) and the ranks of its group.
+
+A planned cluster-scale layout (a :class:`labkit.plan.layout.Layout`, thousands of GPUs) is
+drawn summarised by :meth:`MeshView.planned`, a
+:class:`~labkit_widgets.mesh_planned.PlannedMeshView`: one server in full, the pipeline's
+stage columns, a few data-parallel replicas and an ellipsis, and which axis crosses which
+bandwidth level.
 """
 from __future__ import annotations
 
@@ -60,6 +66,16 @@ class MeshView:
         self.mesh, self.axis, self.width = mesh, axis, gpus_per_server
         self.groups = mesh.groups(axis)
         self.figure = self._draw()
+
+    @staticmethod
+    def planned(layout, cluster="llama3-24k", axis: str = "pp", **kwargs):
+        """A planned ``layout`` (:class:`labkit.plan.layout.Layout`) on ``cluster`` (a
+        :mod:`labkit.plan.hardware` preset), drawn summarised: a
+        :class:`~labkit_widgets.mesh_planned.PlannedMeshView` (see there; ``kwargs`` go to
+        it). Raises ``ValueError`` as it does."""
+        from .mesh_planned import PlannedMeshView
+
+        return PlannedMeshView(layout, cluster, axis, **kwargs)
 
     def position(self, rank: int) -> tuple:
         """``(column, row)`` of ``rank``: its slot in its server, and the server."""
