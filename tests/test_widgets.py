@@ -540,7 +540,7 @@ def test_static_rendering(monkeypatch):
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
     ex.static()
-    assert sum(isinstance(o, go.Figure) for o in shown) == 5
+    assert sum(isinstance(o, go.Figure) for o in shown) == 6   # five measured, one planned
     assert any("runs tried" in getattr(o, "data", "") or "labkit-history" in
                getattr(o, "data", "") for o in shown)
 

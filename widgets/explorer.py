@@ -15,7 +15,10 @@ redraws every figure in one ``batch_update()`` (:mod:`~labkit_widgets.explorer_f
 :mod:`~labkit_widgets.explorer_pipeline`): memory per rank by category (at the peak,
 model state measured and predicted), the MFU gauge with HFU and step time, bytes per rank
 by axis and collective beside the formula, the pipeline bubble measured beside simulated,
-the per-rank timeline, and a history row.
+the per-rank timeline, and a history row. Beside them, the **planned** panel
+(:mod:`~labkit_widgets.explorer_planned`) scales the same layout to a real model and cluster
+and shows :mod:`labkit.plan`'s memory, step time, bubble and MFU: a formula, redrawn at each
+accepted change before the ranks run.
 
 The interactive re-run is lean: at most ``max_steps`` steps (a warm-up step, a timed one,
 the memory-tracked one), and a configuration already measured runs only the warm-up and the
@@ -39,6 +42,7 @@ from . import _style as S
 from . import explorer_controls as C
 from . import explorer_figures as F
 from . import explorer_pipeline as P
+from .explorer_planned import PlannedPanel
 from ._static import live
 from .timeline import TimelineView
 
@@ -70,6 +74,8 @@ class Explorer(W.VBox):
         figures: dict name → ``go.FigureWidget``: ``memory``, ``mfu``, ``comm``,
             ``bubble`` and (with ``timeline``) ``timeline``.
         status: the status line (``ipywidgets.HTML``; errors in red).
+        planned: the :class:`~labkit_widgets.explorer_planned.PlannedPanel` (the layout on
+            a real model and cluster, by the planner).
         unavailable: the note listing values validate refuses now, with its reasons.
         history: one dict per successful run, oldest first
             (:func:`~labkit_widgets.explorer_figures.summarize` plus ``run``,
@@ -116,6 +122,7 @@ class Explorer(W.VBox):
         P.draw_bubble(self.figures["bubble"], None)
         self.timeline, self._first_trace = None, None
         self._refresh_controls()
+        self.planned = PlannedPanel(self._compose(self.base, self.values)[0])
         if run_now:
             self.rerun()
         self.figures = {name: live(fig) for name, fig in self.figures.items()}
@@ -129,8 +136,9 @@ class Explorer(W.VBox):
                 for label, names in C.ROWS]
         f = self.figures
         self.children = [*rows, self.unavailable, self.status,
+                         W.HTML("<b>measured</b>: this run, on the cluster's ranks"),
                          W.HBox([f["memory"], f["mfu"]], layout=wrap),
-                         W.HBox([f["comm"], f["bubble"]], layout=wrap),
+                         W.HBox([f["comm"], f["bubble"]], layout=wrap), self.planned,
                          *([self.timeline] if self.timeline else []),
                          W.HTML("<b>runs tried</b> (newest first; hover a row for its "
                                 "configuration)"), self.history_html]
@@ -202,6 +210,7 @@ class Explorer(W.VBox):
             return self._fail(ValueError(why), t0)
         self.base, self.values = base, values
         self._sync_values()
+        self.planned.update(self._compose(base, values)[0])  # a formula: before the run
         return self.rerun(_t0=t0)
 
     def _on_change(self, change) -> None:
@@ -340,11 +349,12 @@ class Explorer(W.VBox):
         return go.Figure(self.figures[name])
 
     def static(self) -> None:
-        """Display the status, every figure and the history as static output (nbval,
-        saved notebooks)."""
+        """Display the status, every figure, the planned panel's and the history as static
+        output (nbval, saved notebooks)."""
         from IPython.display import HTML, display
 
         display(HTML(self.status.value))
         for name in self.figures:
             display(self.figure(name))
+        self.planned.static()
         display(HTML(self.history_html.value))

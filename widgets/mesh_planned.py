@@ -242,7 +242,8 @@ class PlannedMeshView:
             one = ax.degree == 1
             span = (f"{ax.servers[0]:,}" if ax.servers[0] == ax.servers[1]
                     else f"{ax.servers[0]:,}–{ax.servers[1]:,}")
-            level = "–" if one else f"{ax.placement.level}, {ax.placement.bandwidth / 1e9:,.0f} GB/s"
+            bw = ax.placement.bandwidth / 1e9
+            level = "–" if one else f"{ax.placement.level}, {bw:,.0f} GB/s"
             if not one and ax.placement.slowdown > 1:
                 level += f" (÷{ax.placement.slowdown:g} oversubscribed)"
             if a == "pp" and not one and ax.neighbour.level != ax.placement.level:
