@@ -116,3 +116,18 @@ def test_405b_rank_shard_and_model_state_agree_with_the_planner(cells):
         assert f"measured {b / gib:8.3f} GiB   planned {b / gib:8.3f} GiB" in rows[c], rows[c]
     err = float(rows["activations"].rsplit("=", 1)[1])
     assert 0 < err < 0.25, rows["activations"]  # the notebook's prose explains the sign
+
+
+def test_the_planned_16384_gpu_layout_as_drawn(cells):
+    """The summary printed beside the drawing is the layout's, recounted here (claims C7,
+    C34, C36): TP 8 inside each of 2,048 servers, PP and DP across the network."""
+    from labkit_widgets.mesh_summary import summarize_layout
+
+    out = _out(cells, "MeshView.planned(lay")
+    want = summarize_layout(Layout(tp=8, pp=16, dp=128), "llama3-24k")
+    assert out.strip() == want.describe()
+    assert "2,048 servers of 8 GPUs" in out
+    assert "tp (channels): 8 ranks, stride 1, 2,048 groups, 8 per server, 1 server per " \
+           "group: nvlink (inside a server)" in out
+    assert "pp (layers): 16 ranks, stride 8," in out and "dp (batch): 128 ranks, stride 128," in out
+    assert out.count("(network between servers)") == 2
