@@ -213,6 +213,8 @@ class PlannedPanel(StaticFigure, W.VBox):
             self.plan = estimate(model, cluster, self.planned_layout, RUNTIME)
         except ValueError as exc:
             self.reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a panel shows every failure, never crashes
+            self.reason = f"{type(exc).__name__}: {exc}"
         if self.plan is not None:
             p = self.plan
             self.numbers = {"memory": dict(p.memory), "memory_limit": p.memory_limit,
