@@ -38,7 +38,7 @@ from .context_frames import color_scale, context_frame, context_frames
 __all__ = ["ContextParallelView"]
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     fig = make_subplots(rows=2, cols=2, specs=[[{}, {}], [{"colspan": 2}, None]],
                         row_heights=[0.62, 0.38], vertical_spacing=0.16, horizontal_spacing=0.1,
                         subplot_titles=("who holds what", "mask blocks computed (query × key)",
@@ -61,7 +61,7 @@ def _base_figure() -> go.FigureWidget:
 
 
 class ContextParallelView(StaticFigure, W.VBox):
-    """Controls + one ``FigureWidget`` replaying a context-parallel attention run.
+    """Controls + one ``LiveFigure`` replaying a context-parallel attention run.
 
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: show runs passed to
@@ -71,7 +71,7 @@ class ContextParallelView(StaticFigure, W.VBox):
 
     Attributes:
         method, cp, zigzag, causal, phase, step, play: the controls (ipywidgets).
-        fig: the ``go.FigureWidget``; result: the last ``RunResult``; report: its
+        fig: the ``LiveFigure``; result: the last ``RunResult``; report: its
             :func:`labkit.parallel.context.report.attention_report`; frames: its steps.
     """
 

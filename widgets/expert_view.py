@@ -118,7 +118,7 @@ def a2a_frames(trace, step: int) -> list:
     return frames
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.16,
                         subplot_titles=("tokens per expert (kept choices)", "all-to-all"))
     fig.add_trace(go.Heatmap(name="load", x=[], y=[], z=[], text=[], texttemplate="%{text}",
@@ -149,7 +149,7 @@ class ExpertView(StaticFigure, W.VBox):
 
     Attributes:
         step, layer, frame, play: what is shown; aux_weight, capacity, top_k: the model
-        knobs that re-run training (``cluster`` needed); fig: the ``go.FigureWidget``;
+        knobs that re-run training (``cluster`` needed); fig: the ``LiveFigure``;
         result: the run shown; frames: the selected step's all-to-alls (:func:`a2a_frames`).
     """
 

@@ -241,7 +241,7 @@ class TimelineView(StaticFigure, W.VBox):
             ``None`` starts empty.
 
     Attributes:
-        fig: the ``go.FigureWidget`` (updated in place, inside ``batch_update()``).
+        fig: the ``LiveFigure`` (updated in place, inside ``batch_update()``).
         step_selector: ``ipywidgets.Dropdown`` — :data:`ALL_STEPS` (``"all"``) for all
             steps, else a step index; :attr:`step` gives ``None`` for all steps.
         result: the run on display.
