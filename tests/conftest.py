@@ -138,7 +138,27 @@ class JupyterServer(tuple):
 _LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
     "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+    # every cell attached and laid out, so a test can measure outputs outside the viewport
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
 }
+
+
+def _jupyterlab_data_env(env: dict) -> dict:
+    """JUPYTER_PATH / JUPYTERLAB_DIR for a venv that borrows JupyterLab from another
+    environment (a light venv whose packages come from elsewhere): JupyterLab's app dir and
+    the prebuilt extensions (ipywidgets, anywidget, plotly) live under that other prefix,
+    and without them widgets render as plain text. ``{}`` when this prefix has them."""
+    if (Path(sys.prefix) / "share" / "jupyter" / "lab").is_dir():
+        return {}
+    import jupyterlab
+
+    prefix = Path(jupyterlab.__file__).resolve().parents[4]  # <prefix>/lib/pythonX.Y/site-packages
+    data = prefix / "share" / "jupyter"
+    if not (data / "lab").is_dir():
+        return {}
+    paths = [str(data)] + [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    return {"JUPYTER_PATH": os.pathsep.join(paths),
+            "JUPYTERLAB_DIR": env.get("JUPYTERLAB_DIR", str(data / "lab"))}
 
 
 def _launch_jupyter(root_dir: Path, state_dir: Path, log_dir: Path) -> JupyterServer:
@@ -155,6 +175,7 @@ def _launch_jupyter(root_dir: Path, state_dir: Path, log_dir: Path) -> JupyterSe
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(settings))
     env = dict(os.environ)
+    env.update(_jupyterlab_data_env(env))
     env.update(JUPYTER_CONFIG_DIR=str(state_dir / "config"),
                JUPYTER_RUNTIME_DIR=str(state_dir / "runtime"),
                JUPYTER_PLATFORM_DIRS="1",

@@ -9,9 +9,12 @@ checked without training; and against the real ``labkit.jobs.train`` on a 2-rank
 from __future__ import annotations
 
 import html
+import json
 import re
 
 import ipywidgets as W
+import plotly.graph_objects as go
+import plotly.io as pio
 import pytest
 import torch
 
@@ -110,8 +113,6 @@ def cluster():
 
 # --------------------------------------------------------------------------- timeline
 def test_timeline_real_all_reduce(cluster):
-    from plotly.basewidget import BaseFigureWidget
-
     from labkit_widgets import TimelineView
 
     tv = TimelineView(cluster.run(jobs.all_reduce_demo))
@@ -121,7 +122,7 @@ def test_timeline_real_all_reduce(cluster):
     assert ar.customdata[0][3] == "16 B"  # 2(N-1)/N · 16 B sent
     assert list(tv.fig.layout.yaxis.ticktext) == ["rank 0", "comm", "rank 1", "comm"]
     fig = tv.figure()
-    assert not isinstance(fig, BaseFigureWidget) and len(fig.data) == len(tv.fig.data)
+    assert type(fig) is go.Figure and len(fig.data) == len(tv.fig.data)
 
 
 def test_timeline_compute_comm_and_step_filter(cluster):
@@ -371,30 +372,29 @@ def test_invalid_set_shows_the_reason_and_raises_nothing():
     assert ex.set(dp=2) is not None and ex.last_error is None and len(ex.history) == 2
 
 
-def test_a_rerun_updates_every_figure_with_messages_the_browser_applies():
+def test_a_rerun_sends_each_changed_figure_once():
     """A run redraws every figure it changed (memory bars, gauge, bytes, timeline) in one
-    pass after the job, with restyle and relayout messages only: plotly's batched
-    ``Plotly.update`` message is not applied by its front end in JupyterLab."""
+    pass after the job: each changed figure sends its whole new state once (the widget's
+    ``outputs``), a figure the run did not change sends nothing."""
     busy = []
     fake = FakeCluster(on_run=lambda cfg: busy.append(
         (ex.controls["dp"].disabled, "running" in ex.status.value)))
     ex = _explorer(fake, RunConfig(global_batch=8, steps=3).replace(dp=2))
     sent: list = []
     for name, fig in ex.figures.items():
-        for kind in ("update", "restyle", "relayout"):
-            real = getattr(fig, f"_send_{kind}_msg")
-            setattr(fig, f"_send_{kind}_msg",
-                    lambda *a, _n=name, _k=kind, _r=real, **k: (sent.append((_n, _k)),
-                                                                _r(*a, **k)))
+        fig.observe(lambda ch, _n=name: sent.append(_n), "outputs")
+
     def one_batch(change) -> set:
-        """Run ``change``; check the figures that changed sent restyle/relayout messages
-        and no batched update, and the others sent nothing; return their names."""
+        """Run ``change``; check each figure that changed sent itself once and the others
+        sent nothing; return their names."""
         before = {name: _data(fig) for name, fig in ex.figures.items()}
         sent.clear()
         change()
         changed = {n for n, fig in ex.figures.items() if _data(fig) != before[n]}
-        assert {n for n, _k in sent} == changed and {k for _n, k in sent} <= {
-            "restyle", "relayout"}, sent
+        assert sorted(sent) == sorted(changed), sent
+        for n in changed:
+            assert _shown(ex.figures[n]) == json.loads(pio.to_json(ex.figures[n],
+                                                                   validate=False)), n
         return changed
 
     # the bubble panel says "no pipeline at pp=1" from the start (the real pipeline test
@@ -408,22 +408,26 @@ def test_a_rerun_updates_every_figure_with_messages_the_browser_applies():
     assert ex.last_latency_s > 0 and "figures updated" in _plain(ex.status.value)
 
 
+def _shown(fig) -> dict:
+    """The plotly figure a LiveFigure's widget state holds (its one output)."""
+    (out,) = fig.outputs
+    return out["data"]["application/vnd.plotly.v1+json"]
+
+
 def test_figure_widgets_open_with_the_first_run(monkeypatch):
-    """The browser draws a figure widget from the state the widget opens with and drops
-    updates that arrive before plotly's module has loaded (plotly itself opens the widget
-    before it sets the figure: half the figures of a cell came up empty in JupyterLab). So
-    every figure of an explorer that ran at construction opens holding that run."""
+    """Every figure of an explorer that ran at construction opens holding that run (the
+    widget's opening state, not an update after it), and every later run replaces the whole
+    figure in that state: the browser draws what the kernel holds."""
     import copy
 
-    from plotly.basewidget import BaseFigureWidget
+    from labkit_widgets._static import LiveFigure
 
     opened = {}
     real_open = W.Widget.open
 
     def spy(self):
-        if isinstance(self, BaseFigureWidget):
-            state = self.get_state()
-            opened[id(self)] = copy.deepcopy((state["_widget_data"], state["_widget_layout"]))
+        if isinstance(self, LiveFigure):
+            opened[id(self)] = copy.deepcopy(self.get_state()["outputs"])
         real_open(self)
 
     monkeypatch.setattr(W.Widget, "open", spy)
@@ -432,14 +436,26 @@ def test_figure_widgets_open_with_the_first_run(monkeypatch):
     assert len(ex.history) == 1 and set(ex.figures) == {"memory", "mfu", "comm", "bubble",
                                                         "timeline"}
     for name, fig in ex.figures.items():
-        data, layout = opened[id(fig)]
-        assert data == fig._data and layout == fig._layout, name
-    assert ex.figures["mfu"]._widget_data[0]["value"] == pytest.approx(ex.history[0]["mfu_pct"])
-    assert "dp AR" in ex.figures["comm"]._widget_data[0]["x"][1]
+        assert isinstance(fig, LiveFigure) and isinstance(fig, W.DOMWidget), name
+        assert opened[id(fig)] == fig.outputs and _shown(fig)["data"], name
+        assert _shown(fig) == json.loads(pio.to_json(fig, validate=False)), name
+    assert _shown(ex.figures["mfu"])["data"][0]["value"] == pytest.approx(
+        ex.history[0]["mfu_pct"])
+    assert "dp AR" in _shown(ex.figures["comm"])["data"][0]["x"][1]
     assert ex.timeline.fig is ex.figures["timeline"] and ex.timeline in ex.children
     assert len(_traces(ex.figures["timeline"])["forward"].x) == 2 * 2  # 2 ranks x 2 timed steps
-    ex.set(dp=1)  # later runs edit the same widgets
-    assert ex.figures["mfu"]._widget_data != ex.figures["mfu"]._data
+    sent = {name: [] for name in ex.figures}
+    for name, fig in ex.figures.items():
+        fig.observe(lambda ch, name=name: sent[name].append(ch["new"]), "outputs")
+    ex.set(dp=1)  # a later run: each figure it changed sends its whole new state once
+    assert {k: len(v) for k, v in sent.items()} == {"memory": 1, "mfu": 1, "comm": 1,
+                                                    "timeline": 1, "bubble": 0}
+    for name, fig in ex.figures.items():
+        assert _shown(fig) == json.loads(pio.to_json(fig, validate=False)), name
+    assert _shown(ex.figures["mfu"])["data"][0]["value"] == pytest.approx(
+        ex.history[-1]["mfu_pct"])
+    assert _shown(ex.figures["comm"])["layout"]["annotations"][0]["text"] \
+        == "no communication at dp=1"
 
 
 def test_figures_say_what_they_show():
@@ -528,14 +544,13 @@ def test_follows_a_replaced_cluster_and_says_starting():
 
 
 def test_static_rendering(monkeypatch):
-    import plotly.graph_objects as go
-    from plotly.basewidget import BaseFigureWidget
+    from labkit_widgets._static import LiveFigure
 
     ex = _explorer(FakeCluster(), RunConfig(global_batch=4, steps=1), run_now=True)
     for name, live in ex.figures.items():
         snap = ex.figure(name)
-        assert isinstance(live, BaseFigureWidget) and not isinstance(snap, BaseFigureWidget)
-        assert isinstance(snap, go.Figure) and snap.to_dict()["data"] == live.to_dict()["data"]
+        assert isinstance(live, LiveFigure) and type(snap) is go.Figure
+        assert snap.to_dict()["data"] == live.to_dict()["data"]
     assert set(ex.figures) == {"memory", "mfu", "comm", "bubble", "timeline"}
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))

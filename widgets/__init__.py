@@ -15,10 +15,11 @@
   warm ``Cluster`` and show measured memory, MFU, communication and the pipeline bubble
   beside the formulas and the simulator.
 
-Each view is an ``ipywidgets.VBox`` around plotly ``FigureWidget``\\ s, updated in one
-``batch_update()`` per change; ``.figure()`` returns a static ``go.Figure`` snapshot and
-``.static()`` displays it (for nbval and saved notebooks). Dependencies point one way:
-these widgets import labkit, labkit never imports them.
+Each view is an ``ipywidgets.VBox`` around plotly figures that are widgets
+(:class:`~labkit_widgets._static.LiveFigure`), updated in one ``batch_update()`` per
+change; ``.figure()`` returns a static ``go.Figure`` snapshot and ``.static()`` displays it
+(for nbval and saved notebooks). Dependencies point one way: these widgets import labkit,
+labkit never imports them.
 """
 from .checkpoint_view import CheckpointView
 from .collective_view import CollectiveView

@@ -1,59 +1,113 @@
-"""Static rendering shared by the views: a plotly snapshot for nbval and saved notebooks."""
+"""Figures on display: :class:`LiveFigure` (a plotly figure that is also an ipywidget) and
+the static-rendering mixin the views share (a plotly snapshot for nbval and saved notebooks).
+"""
 from __future__ import annotations
 
 import contextlib
+import json
 
+import ipywidgets as W
 import plotly.graph_objects as go
 
 from . import _style as S
 
+#: the mimetype plotly's JupyterLab extension renders (the notebook's own renderer)
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
-class LiveFigure(go.FigureWidget):
-    """A ``go.FigureWidget`` whose widget opens with its figure in the opening state.
 
-    plotly's ``BaseFigureWidget.__init__`` opens the widget (the comm to the browser) before
-    it sets ``_widget_data`` and ``_widget_layout``, so the figure reaches the browser as an
-    update after an empty opening state. plotly's front end applies updates in listeners it
-    registers once its module has loaded, so an update that arrives before is dropped and
-    the browser draws empty axes (seen in JupyterLab for about half the figures of a cell
-    showing several). Here the widget opens only after ``__init__``: the opening state
-    holds the figure.
+class LiveFigure(go.Figure, W.Output):
+    """A plotly ``go.Figure`` that is an ipywidget showing itself; every edit redraws it.
+
+    The widget is an ``ipywidgets.Output`` whose one output is the figure as plotly's own
+    mimetype (``application/vnd.plotly.v1+json``), drawn by the JupyterLab extension plotly
+    ships for static figures. Every edit — ``fig.data[0].update(...)``,
+    ``fig.layout.title.text = ...``, ``update_layout`` — sends the whole figure again in
+    that one ``outputs`` trait; inside ``with fig.batch_update():`` the edits apply at once
+    (in Python) and the figure is sent once, at the end. The opening state holds the figure.
+
+    Why not ``go.FigureWidget``: plotly 7's FigureWidget is an anywidget whose front end
+    evaluates plotly's 5 MB widget bundle once per figure, and anywidget gives a model two
+    seconds to do that; past them it rejects the model's runtime and drops every later
+    update message to it ("[anywidget] Failed to initialize model." in the browser
+    console). The opening state still draws, so on a loaded machine a figure showed its
+    first data and never changed again (in JupyterLab at a load of 17 on 2 cores, four
+    FigureWidgets of six created together ignored every later restyle). ``ipywidgets.Output``
+    has no such deadline, and its state is the whole figure, so the last edit always wins.
+
+    Use it as a ``go.Figure`` (``.data``, ``.layout``, ``update_layout``, ``go.Figure(fig)``
+    for a plain copy) and as a widget (a child of a ``VBox``). ``.layout`` is plotly's: like
+    plotly's FigureWidget, this widget has no ipywidgets CSS layout.
     """
 
     def __init__(self, *args, **kwargs):
-        self._defer_open = True
-        super().__init__(*args, **kwargs)
+        self._live_hold, self._live_sent, self._defer_open = 0, None, True
+        super().__init__(*args, **kwargs)  # go.Figure's; it calls Widget.__init__ early
         self._defer_open = False
+        self._redraw()
         self.open()
 
     def open(self) -> None:  # ipywidgets' Widget.open, once the figure is in the state
         if not getattr(self, "_defer_open", False):
             super().open()
 
+    def _redraw(self) -> None:
+        """Put the figure as it stands into ``outputs`` (skipped when nothing changed)."""
+        bundle = S.static_bundle(self)
+        text = json.dumps(bundle, sort_keys=True)
+        if text == self._live_sent:
+            return
+        self._live_sent = text
+        title = self.layout.title.text or ""
+        bundle["text/plain"] = f"<LiveFigure {title.split('<')[0].strip()!r}>"
+        self.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+    def _edited(self, *_args, **_kwargs) -> None:
+        if not self._live_hold:
+            self._redraw()
+
+    # every edit of a go.Figure ends in one of these (no-ops in plotly's BaseFigure)
+    _send_addTraces_msg = _send_moveTraces_msg = _send_deleteTraces_msg = _edited
+    _send_restyle_msg = _send_relayout_msg = _send_update_msg = _send_animate_msg = _edited
+
     @contextlib.contextmanager
     def batch_update(self):
-        """Edits go out one by one, as restyle and relayout messages, never batched.
+        """Edits inside apply at once (as outside); the figure is sent once, at the end.
 
-        plotly's ``batch_update`` sends one ``Plotly.update`` message; plotly 7's front end
-        (JupyterLab 4, anywidget) does not apply it, while it applies restyle and relayout:
-        a batched redraw left the browser's figure unchanged. Callers keep their ``with
-        fig.batch_update():`` blocks, so batching returns when the front end applies it.
+        plotly's own batch mode defers the edits until the block ends, so a painter that
+        reads back what it just set would read the old value; here only the redraw waits.
         """
-        yield self
+        self._live_hold += 1
+        try:
+            yield self
+        finally:
+            self._live_hold -= 1
+            if not self._live_hold:
+                self._redraw()
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        # the live widget first; the plotly JSON is the fallback a saved notebook renders
+        bundle = dict(S.static_bundle(self))
+        bundle.update(W.Output._repr_mimebundle_(self, include=include, exclude=exclude,
+                                                 **kwargs) or {})
+        return bundle
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
 
 
-def live(fig: go.Figure) -> go.FigureWidget:
-    """A widget (:class:`LiveFigure`) whose first state is ``fig`` as drawn now.
+def live(fig: go.Figure) -> LiveFigure:
+    """A :class:`LiveFigure` whose first state is ``fig`` as drawn now.
 
-    Views draw their first run into a plain ``go.Figure`` and wrap it only then, so the data
-    travels in the state the widget is created with; later edits go to a browser that has
-    drawn the figure.
+    Views draw their first run into a plain ``go.Figure`` and wrap it only then, so the
+    figure travels in the state the widget is created with.
     """
     return LiveFigure(fig)
 
 
 class StaticFigure:
-    """Mixin for an ipywidgets container that owns one ``go.FigureWidget`` as ``self.fig``.
+    """Mixin for an ipywidgets container that owns one :class:`LiveFigure` as ``self.fig``.
 
     ``figure()`` returns a plain ``go.Figure`` copy (no widget, no kernel needed),
     ``static()`` displays it, and the rich display offers the plotly JSON beside the live

@@ -5,7 +5,7 @@ The schedule (:mod:`labkit.parallel.checkpoint`) is executed on a real layer sta
 record — after every action, which stored tensors were alive (from the saved-tensor hooks) and
 how many bytes they held. Nothing is drawn from a script.
 
-One ``FigureWidget`` with two panels:
+One ``LiveFigure`` (a plotly figure that is a widget) with two panels:
 
 * top: the chain. Column ``j`` is ``A_j`` (the activation entering layer ``j+1``) in the lower
   row and ``s_j`` (what layer ``j`` saved inside: ``silu(A_{j-1})``) in the upper row; a filled
@@ -108,7 +108,7 @@ class CheckpointView(StaticFigure, W.VBox):
     Attributes:
         controls: ``n_layers`` / ``strategy`` / ``every`` widgets; ``play`` (``W.Play``) and
             ``step`` (``W.IntSlider``) linked together; ``status`` (``W.HTML``).
-        fig: the ``go.FigureWidget`` (created from the first drawn schedule);
+        fig: the ``LiveFigure`` (created from the first drawn schedule);
             ``result``: the :class:`ExecResult` on display.
     """
 

@@ -165,7 +165,7 @@ def _base_figure() -> go.Figure:
 
 
 class CollectiveView(StaticFigure, W.VBox):
-    """Controls + one ``FigureWidget`` that animates a collective's recorded steps.
+    """Controls + one ``LiveFigure`` that animates a collective's recorded steps.
 
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: show runs passed to
@@ -179,7 +179,7 @@ class CollectiveView(StaticFigure, W.VBox):
 
     Attributes:
         op, algorithm, n, step, play, transpose: the controls (ipywidgets).
-        fig: the ``go.FigureWidget``; result: the last ``CollectiveRun``; recording: its
+        fig: the ``LiveFigure``; result: the last ``CollectiveRun``; recording: its
             :class:`~labkit.collectives.record.Recording`.
     """
 

@@ -38,7 +38,7 @@ from .context_frames import color_scale, context_frame, context_frames
 __all__ = ["ContextParallelView"]
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     fig = make_subplots(rows=2, cols=2, specs=[[{}, {}], [{"colspan": 2}, None]],
                         row_heights=[0.62, 0.38], vertical_spacing=0.16, horizontal_spacing=0.1,
                         subplot_titles=("who holds what", "mask blocks computed (query × key)",
@@ -61,7 +61,7 @@ def _base_figure() -> go.FigureWidget:
 
 
 class ContextParallelView(StaticFigure, W.VBox):
-    """Controls + one ``FigureWidget`` replaying a context-parallel attention run.
+    """Controls + one ``LiveFigure`` replaying a context-parallel attention run.
 
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: show runs passed to
@@ -71,7 +71,7 @@ class ContextParallelView(StaticFigure, W.VBox):
 
     Attributes:
         method, cp, zigzag, causal, phase, step, play: the controls (ipywidgets).
-        fig: the ``go.FigureWidget``; result: the last ``RunResult``; report: its
+        fig: the ``LiveFigure``; result: the last ``RunResult``; report: its
             :func:`labkit.parallel.context.report.attention_report`; frames: its steps.
     """
 
@@ -82,17 +82,25 @@ class ContextParallelView(StaticFigure, W.VBox):
         self._quiet = False
         top = cluster.world_size if cluster is not None else 8
         self.method = W.Dropdown(options=list(METHODS), value=method, description="method",
+                                 tooltip="how the ranks share K/V: all-gather, Ulysses "
+                                         "(all-to-all) or ring",
                                  layout=W.Layout(width="200px"))
         self.cp = W.IntSlider(value=cp or max(2, top), min=1, max=max(top, 2), description="cp",
+                              tooltip="ranks sharing the sequence (context-parallel degree)",
                               continuous_update=False, layout=W.Layout(width="220px"))
         self.zigzag = W.Checkbox(value=zigzag, description="zigzag", indent=False,
+                                 tooltip="zigzag chunk order: every rank gets an early and a "
+                                         "late chunk (balanced causal work)",
                                  layout=W.Layout(width="90px"))
         self.causal = W.Checkbox(value=causal, description="causal", indent=False,
+                                 tooltip="causal mask (blocks above the diagonal skipped)",
                                  layout=W.Layout(width="90px"))
         self.phase = W.ToggleButtons(options=["forward", "backward"], value="forward")
         self.step = W.IntSlider(value=0, min=0, max=0, description="step",
+                                tooltip="step of the replay to show",
                                 continuous_update=False, layout=W.Layout(width="320px"))
-        self.play = W.Play(value=0, min=0, max=0, interval=900, description="play")
+        self.play = W.Play(value=0, min=0, max=0, interval=900, description="play",
+                           tooltip="play the replay")
         W.link((self.play, "value"), (self.step, "value"))
         W.link((self.play, "max"), (self.step, "max"))
         self.status, self.info = W.HTML(), W.HTML()

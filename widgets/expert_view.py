@@ -118,7 +118,7 @@ def a2a_frames(trace, step: int) -> list:
     return frames
 
 
-def _base_figure() -> go.FigureWidget:
+def _base_figure() -> go.Figure:
     fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.16,
                         subplot_titles=("tokens per expert (kept choices)", "all-to-all"))
     fig.add_trace(go.Heatmap(name="load", x=[], y=[], z=[], text=[], texttemplate="%{text}",
@@ -149,7 +149,7 @@ class ExpertView(StaticFigure, W.VBox):
 
     Attributes:
         step, layer, frame, play: what is shown; aux_weight, capacity, top_k: the model
-        knobs that re-run training (``cluster`` needed); fig: the ``go.FigureWidget``;
+        knobs that re-run training (``cluster`` needed); fig: the ``LiveFigure``;
         result: the run shown; frames: the selected step's all-to-alls (:func:`a2a_frames`).
     """
 
@@ -157,19 +157,29 @@ class ExpertView(StaticFigure, W.VBox):
         super().__init__()
         self.result, self.cluster, self.frames, self._quiet = None, cluster, [], False
         self.step = W.IntSlider(value=0, min=0, max=0, description="step",
+                                tooltip="training step to show",
                                 continuous_update=False, layout=W.Layout(width="260px"))
         self.layer = W.Dropdown(options=[ALL], value=ALL, description="layer",
+                                tooltip="MoE layer (all layers: summed)",
                                 layout=W.Layout(width="200px"))
         self.frame = W.IntSlider(value=0, min=0, max=0, description="all-to-all",
+                                 tooltip="which all-to-all of the step to replay",
                                  continuous_update=False, layout=W.Layout(width="320px"))
-        self.play = W.Play(value=0, min=0, max=0, interval=800, description="play")
+        self.play = W.Play(value=0, min=0, max=0, interval=800, description="play",
+                           tooltip="play the all-to-alls")
         W.link((self.play, "value"), (self.frame, "value"))
         W.link((self.play, "max"), (self.frame, "max"))
         self.aux_weight = W.Dropdown(options=list(AUX_WEIGHTS), value=0.01,
-                                     description="aux weight", layout=W.Layout(width="190px"))
+                                     description="aux weight",
+                                     tooltip="load-balancing loss weight (re-runs training)",
+                                     layout=W.Layout(width="190px"))
         self.capacity = W.Dropdown(options=list(CAPACITIES), value=0.0,
-                                   description="capacity", layout=W.Layout(width="180px"))
+                                   description="capacity",
+                                   tooltip="expert capacity factor; none: no token dropped "
+                                           "(re-runs training)",
+                                   layout=W.Layout(width="180px"))
         self.top_k = W.IntSlider(value=1, min=1, max=1, description="top-k",
+                                 tooltip="experts per token (re-runs training)",
                                  continuous_update=False, layout=W.Layout(width="220px"))
         self.status, self.info = W.HTML(), W.HTML()
         self.fig = _base_figure()

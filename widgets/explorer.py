@@ -71,8 +71,8 @@ class Explorer(W.VBox):
         controls: dict name → widget, one per name in
             :data:`labkit_widgets.explorer_controls.NAMES`.
         values: the controls' values (``"auto"`` = the field's ``None``).
-        figures: dict name → ``go.FigureWidget``: ``memory``, ``mfu``, ``comm``,
-            ``bubble`` and (with ``timeline``) ``timeline``.
+        figures: dict name → ``LiveFigure`` (a ``go.Figure`` that is a widget): ``memory``,
+            ``mfu``, ``comm``, ``bubble`` and (with ``timeline``) ``timeline``.
         status: the status line (``ipywidgets.HTML``; errors in red).
         planned: the :class:`~labkit_widgets.explorer_planned.PlannedPanel` (the layout on
             a real model and cluster, by the planner).

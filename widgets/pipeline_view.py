@@ -212,15 +212,20 @@ class PipelineView(StaticFigure, W.VBox):
         opts = dict(continuous_update=False, style={"description_width": "60px"})
         self.controls = {
             "schedule": W.Dropdown(options=list(SCHEDULES), value=schedule,
-                                   description="schedule"),
+                                   description="schedule", tooltip="pipeline schedule"),
             "pp": W.SelectionSlider(options=[p for p in (2, 4, 8) if p <= max_p] or [1],
-                                    value=pp, description="P", **opts),
+                                    value=pp, description="P",
+                                    tooltip="pipeline stages (one rank each)", **opts),
             "microbatches": W.SelectionSlider(options=[1, 2, 4, 8, 16], value=microbatches,
-                                              description="M", **opts),
+                                              description="M",
+                                              tooltip="microbatches per step", **opts),
             "virtual_stages": W.SelectionSlider(options=[2, 4], value=virtual_stages,
-                                                description="V", **opts)}
+                                                description="V",
+                                                tooltip="virtual stages per rank "
+                                                        "(interleaved schedules)", **opts)}
         self.play = W.Play(min=0, max=FRAMES, value=FRAMES, step=1, interval=interval_ms)
         self.time = W.IntSlider(min=0, max=FRAMES, value=FRAMES, description="time",
+                                tooltip="how far into the step (0 … 40: the whole step)",
                                 style={"description_width": "60px"})
         W.link((self.play, "value"), (self.time, "value"))
         self.status = W.HTML(S.status_html("ready"))

@@ -46,6 +46,8 @@ _ALT_OPACITY = 0.55
 #: the comm lane sits this far below its rank's compute lane (rank rows are 1 apart)
 COMM_OFFSET = 0.42
 _COMPUTE_WIDTH, _COMM_WIDTH, _BLOCKED_WIDTH = 0.4, 0.3, 0.26
+#: top + bottom margin of the figure (px): the plot area, and the legend, get the rest
+_MARGINS = 104
 #: trace-event categories drawn as "blocked" (the compute thread waiting on a collective)
 BLOCKED_CATS = ("wait",)
 
@@ -110,10 +112,12 @@ def _family(e) -> tuple:
 
 
 def _legend_height(cols) -> int:
-    """Pixels the vertical legend needs: one row per shown family, one per group title."""
+    """Pixels the vertical legend needs: a row per shown family, a title and the gap
+    before it per group, and the legend's padding (measured in Chromium: 19 px a row, a
+    title and gap 30 px; a legend taller than the plot area gets a scrollbar)."""
     shown = [fam for fam, c in zip(_FAMILIES, cols) if c["showlegend"]]
     groups = {("compute" if k == "blocked" else k) for k, _ in shown}
-    return 21 * len(shown) + 24 * len(groups)
+    return 21 * len(shown) + 30 * len(groups) + 16
 
 
 def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict], dict]:
@@ -167,7 +171,7 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
     layout = {"yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext,
               "yaxis.range": [len(ranks) - 1 + COMM_OFFSET + 0.4, -0.5] if ranks else [1, -1],
               "title.text": _title(events, ranks, trace, step, flagged),
-              "height": max(140 + 70 * max(len(ranks), 1), 90 + _legend_height(cols)),
+              "height": max(140 + 70 * max(len(ranks), 1), _MARGINS + _legend_height(cols)),
               "shapes": [], "annotations": [], "xaxis.autorange": True}
     if events and step is not None:  # the step fills the width
         lo = (min(e.start for e in events) - trace.t0) * 1e3
@@ -228,7 +232,8 @@ def _base_layout() -> dict:
                 xaxis=dict(title="ms from the first event", zeroline=False),
                 yaxis=dict(tickmode="array", tickvals=[], ticktext=[], range=[1, -1],
                            zeroline=False, showgrid=False),
-                legend=dict(groupclick="toggleitem"), margin=dict(l=70, r=20, t=64, b=40),
+                legend=dict(groupclick="toggleitem"),
+                margin=dict(l=70, r=20, t=_MARGINS - 40, b=40),
                 title=dict(text="no events recorded", font_size=14), height=210,
                 hoverlabel=dict(align="left"), uniformtext=dict(minsize=8, mode="hide"))
 
@@ -241,7 +246,7 @@ class TimelineView(StaticFigure, W.VBox):
             ``None`` starts empty.
 
     Attributes:
-        fig: the ``go.FigureWidget`` (updated in place, inside ``batch_update()``).
+        fig: the ``LiveFigure`` (updated in place, inside ``batch_update()``).
         step_selector: ``ipywidgets.Dropdown`` — :data:`ALL_STEPS` (``"all"``) for all
             steps, else a step index; :attr:`step` gives ``None`` for all steps.
         result: the run on display.

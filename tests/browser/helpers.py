@@ -10,6 +10,8 @@ and switch autosave off so nothing is written back into notebooks/.
     move_slider(page, "dp", +2)                    # keyboard on the noUiSlider handle -> readout
     plot_data(page)                                # [{type,name,x,y}, ...] of a .js-plotly-plot
     wait_plot_change(page, before)                 # poll until plot_data differs and settles
+    titled_plot(page, "pipeline bubble")           # {data, annotations} of the plot so titled
+    wait_titled_plot(page, "bubble", until)        # poll until until(titled_plot(...)) holds
 
 All waits are explicit and bounded (``timeout`` in seconds, default 120).
 """
@@ -59,6 +61,22 @@ _JS_PLOT_DATA = """([sel, index]) => {
                    : Array.isArray(v) ? v.map(x => (x && ArrayBuffer.isView(x)) ? Array.from(x) : x)
                    : (v === undefined ? null : v);
   return gd._fullData.map(t => ({type: t.type, name: t.name ?? null, x: arr(t.x), y: arr(t.y)}));
+}"""
+
+
+# The plot whose title contains a text: found anew at each call, since a figure redrawn
+# by a new output is a new element (an index into all plots would shift meanwhile).
+_JS_TITLED_PLOT = """(needle) => {
+  const gd = Array.from(document.querySelectorAll('.js-plotly-plot')).find(
+      g => g._fullLayout && String((g._fullLayout.title || {}).text || '').includes(needle));
+  if (!gd || !gd._fullData) return null;
+  const arr = v => (v && ArrayBuffer.isView(v)) ? Array.from(v)
+                   : Array.isArray(v) ? v.map(x => (x && ArrayBuffer.isView(x)) ? Array.from(x) : x)
+                   : (v === undefined ? null : v);
+  return {title: gd._fullLayout.title.text,
+          data: gd._fullData.map(t => ({type: t.type, name: t.name ?? null,
+                                        x: arr(t.x), y: arr(t.y)})),
+          annotations: (gd._fullLayout.annotations || []).map(a => a.text)};
 }"""
 
 
@@ -205,5 +223,29 @@ def wait_plot_change(page, before, index: int = 0, selector: str = ".js-plotly-p
                 return now
         if time.monotonic() > deadline:
             raise TimeoutError(f"plot {index} did not reach the expected change within "
+                               f"{timeout:.0f}s (now {now})")
+        page.wait_for_timeout(100)
+
+
+def titled_plot(page, needle: str):
+    """``{title, data: [{type, name, x, y}, ...], annotations: [text, ...]}`` of the plotly
+    plot whose title contains ``needle`` (from ``gd._fullData`` / ``_fullLayout``), or
+    ``None`` while there is none."""
+    return page.evaluate(_JS_TITLED_PLOT, needle)
+
+
+def wait_titled_plot(page, needle: str, until, timeout: float = DEFAULT_TIMEOUT_S):
+    """Poll :func:`titled_plot` until ``until(plot)`` holds; returns that plot.
+
+    Raises:
+        TimeoutError: naming what the plot held last.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        now = titled_plot(page, needle)
+        if now is not None and until(now):
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"plot {needle!r} did not reach the expected state within "
                                f"{timeout:.0f}s (now {now})")
         page.wait_for_timeout(100)

@@ -6,33 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import move_slider, open_notebook, plot_data, run_all, slider_value, wait_plot_change
+from .helpers import move_slider, open_notebook, run_all, slider_value, wait_titled_plot
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 
 WIDTH = 1280
 
-_JS_PLOT_INDEX = """(needle) => {
-  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
-  return plots.findIndex(gd => gd.layout && gd.layout.title &&
-                         String(gd.layout.title.text || '').includes(needle));
-}"""
+# the explorer's figures, by their titles
+COMM, BUBBLE, MEMORY = "bytes per rank per step", "pipeline bubble", "memory per rank"
 
-_JS_TRACE_PLOT = """(name) => Array.from(document.querySelectorAll('.js-plotly-plot'))
-  .findIndex(gd => (gd.data || []).some(t => t.name === name))"""
-
-_JS_ANNOTATIONS = """(i) => {
-  const gd = document.querySelectorAll('.js-plotly-plot')[i];
-  return ((gd.layout && gd.layout.annotations) || []).map(a => a.text);
-}"""
-
-# Every output no wider than its cell: nothing reaches past the output area's right edge,
-# and no scroll box inside it hides content sideways. Every visible control label, slider
+# Every output no wider than its cell: nothing reaches past the cell output area's right
+# edge (a figure's own output area, inside its widget, is part of that output), and no
+# scroll box inside it hides content sideways. Every visible control label, slider
 # readout and toggle button shows its whole text (ipywidgets cuts them with an ellipsis).
 _JS_LAYOUT = """() => {
   const bad = [];
   const clipping = v => ['auto', 'scroll', 'hidden'].includes(v);
   for (const out of document.querySelectorAll('.jp-OutputArea-output')) {
+    if (out.parentElement.closest('.jp-OutputArea-output')) continue;  // a figure's own
     const right = out.getBoundingClientRect().right;
     for (const el of [out, ...out.querySelectorAll('*')]) {
       const r = el.getBoundingClientRect();
@@ -62,12 +53,6 @@ _JS_LAYOUT = """() => {
 }"""
 
 
-def _plot_index(page, needle: str) -> int:
-    page.wait_for_function(f"(n) => ({_JS_PLOT_INDEX})(n) >= 0", arg=needle, timeout=240_000,
-                           polling=250)
-    return page.evaluate(_JS_PLOT_INDEX, needle)
-
-
 def _explorer_shot(page, path) -> None:
     """A screenshot of the explorer's output (controls, figures, history) at the page width."""
     out = page.locator(".jp-OutputArea-output", has=page.locator(".labkit-unavailable")).first
@@ -90,15 +75,9 @@ def _wait_runs(page, n: int, timeout_s: float = 240) -> str:
     return page.evaluate(_JS_LATEST)
 
 
-def _redrawn(page, before, index, until):
-    """The plot's data once it reached ``until``. plotly's FigureWidget in JupyterLab was
-    seen not to apply some restyles (one loaded browser run of two left a plot at its
-    previous data while the kernel had redrawn it): that outcome is reported as an expected
-    failure (xfail) showing what the browser holds, never as a pass."""
-    try:
-        return wait_plot_change(page, before, index, timeout=120, until=until)
-    except TimeoutError as exc:
-        pytest.xfail(f"the browser did not apply the figure's restyle: {exc}")
+def _ranks(plot) -> list:
+    """The rank of each bar of a per-rank figure's first trace (its outer x category)."""
+    return plot["data"][0]["x"][0]
 
 
 def test_tour_explorer_dp_and_pp_in_the_browser(jupyter_server, browser_page, artifacts_dir):
@@ -109,28 +88,41 @@ def test_tour_explorer_dp_and_pp_in_the_browser(jupyter_server, browser_page, ar
     assert slider_value(page, "dp") == "4" and slider_value(page, "pp") == "1"
     note = page.locator(".labkit-unavailable").first.inner_text()
     assert "pp=2" in note and "8 ranks" in note and "world_size=4" in note  # validate's words
-    comm = _plot_index(page, "bytes per rank per step")
-    bubble = _plot_index(page, "pipeline bubble")
-    assert page.evaluate(_JS_ANNOTATIONS, bubble) == ["no pipeline at pp=1"]
-    before, bubble_before = plot_data(page, comm), plot_data(page, bubble)
-    assert len(before[0]["x"][0]) == 4  # one all-reduce bar per rank: the first run drawn
+    # the first run drawn: one all-reduce bar per rank, memory bars for the four ranks
+    comm = wait_titled_plot(page, COMM, lambda p: len(_ranks(p)) == 4, timeout=240)
+    assert {name.split()[-1] for name in comm["data"][0]["x"][1]} == {"AR"}
+    wait_titled_plot(page, MEMORY, lambda p: sorted(set(_ranks(p))) == [f"rank {r}" for r in
+                                                                          range(4)])
+    wait_titled_plot(page, BUBBLE, lambda p: p["annotations"] == ["no pipeline at pp=1"])
     assert page.evaluate(_JS_LAYOUT) == []
     _explorer_shot(page, artifacts_dir / "tour_explorer_dp4_1280.png")
     runs = page.evaluate(_JS_RUNS)
 
-    # each released slider step re-runs on the warm cluster: a new history row, that config
+    # each released slider step re-runs on the warm cluster (a new history row with that
+    # configuration) and every figure redraws from that run
     assert move_slider(page, "dp", -1) == "2"
     assert "dp=2" in _wait_runs(page, runs + 1).replace(" ", "")
+    wait_titled_plot(page, COMM, lambda p: _ranks(p) == ["rank 0", "rank 1"])
+    wait_titled_plot(page, MEMORY, lambda p: sorted(set(_ranks(p))) == ["rank 0", "rank 1"])
     assert move_slider(page, "dp", -1) == "1"
     assert "dp=1" in _wait_runs(page, runs + 2).replace(" ", "")
+    wait_titled_plot(page, COMM, lambda p: p["annotations"] == ["no communication at dp=1"])
+    wait_titled_plot(page, MEMORY, lambda p: sorted(set(_ranks(p))) == ["rank 0"])
     assert move_slider(page, "pp", +1) == "2"
     latest = _wait_runs(page, runs + 3).replace(" ", "")
     assert "pp=2" in latest and "dp=1" in latest
+    # the bubble per pipeline rank, measured beside simulated; the stages' sends
+    bubble = wait_titled_plot(page, BUBBLE,
+                              lambda p: _ranks_x(p) == ["all ranks", "rank 0", "rank 1"])
+    assert bubble["annotations"] == [] and "P=2" in bubble["title"]
+    assert all(0 <= y < 100 for y in bubble["data"][0]["y"])
+    assert all(0 < y < 100 for y in bubble["data"][1]["y"])
+    wait_titled_plot(page, COMM, lambda p: p["annotations"] == [] and
+                     sorted(set(_ranks(p))) == ["rank 0", "rank 1"])
     assert page.evaluate(_JS_LAYOUT) == []
     _explorer_shot(page, artifacts_dir / "tour_explorer_pp2_1280.png")
 
-    # and the figures show it: the bubble per pipeline rank, measured beside simulated
-    data = _redrawn(page, bubble_before, bubble,
-                    lambda d: d and d[0]["x"] == ["all ranks", "rank 0", "rank 1"])
-    assert all(0 <= y < 100 for y in data[0]["y"]) and all(0 < y < 100 for y in data[1]["y"])
-    assert page.evaluate(_JS_ANNOTATIONS, bubble) == []
+
+def _ranks_x(plot) -> list:
+    """The categories of a plot's first trace (a one-level x axis)."""
+    return plot["data"][0]["x"]
