@@ -322,3 +322,12 @@ def cluster2():
 def cluster8():
     """A warm 8-rank gloo cluster for the N-D compositions that need 2x2x2 ranks."""
     yield from _cluster(8)
+
+
+# =========================================================================== notebooks
+@pytest.fixture(scope="module")
+def cells(request):
+    """The code cells, as stored, of the notebook the test module names as ``NB``."""
+    from notebook_outputs import code_cells
+
+    return code_cells(request.module.NB)

@@ -3,7 +3,28 @@ cell printed when it was stored (tools/store_checked_outputs.py), and nbval chec
 fresh run prints the same."""
 from __future__ import annotations
 
+import nbformat
+
 MARK = "NBVAL_CHECK_OUTPUT"
+
+
+def code_cells(path) -> list:
+    """The notebook's code cells as stored (the ``cells`` fixture of tests/conftest.py
+    reads the test module's ``NB``)."""
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+def assert_only_checked_cells_store_output(cells, at_least: int) -> None:
+    """At least ``at_least`` checked cells, each storing printed text and nothing else;
+    every other code cell stores no output (nbval would not compare it)."""
+    marked = checked(cells)
+    assert len(marked) >= at_least, f"{len(marked)} checked cells, expected >= {at_least}"
+    for c in marked:
+        assert text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
+        assert all(o.get("output_type") == "stream" for o in c.outputs), c.source[:200]
+    for c in cells:
+        if MARK not in c.source:
+            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
 
 
 def text(cell) -> str:

@@ -1,8 +1,16 @@
 """The ``labkit`` command line: one RunConfig from flags, its own cluster, bad input before
-any process, and the same job under torchrun."""
+any process, and the same job under torchrun.
+
+One run goes through the real entry point (``python -m labkit run``: its own Cluster
+started and closed, exit 0); the other compositions call :func:`labkit.cli.main` in this
+process with the session's warm cluster lent to the ``with Cluster(world_size=...)`` in
+:func:`labkit.cli.launch.cmd_run` (:func:`_run_here`), so each pays for its job, not for a
+Python start and ``world_size`` torch imports."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -71,9 +79,46 @@ def _model_state_equal(mem_rows: dict) -> None:
         assert 0 <= float(pairs[2][0]) - float(pairs[2][1]) <= 0.001 + 1e-9, (r, cells)
 
 
+class _Lent:
+    """A session cluster lent to ``with Cluster(...) as cluster``; not closed on exit."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def __enter__(self):
+        return self.cluster
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _run_here(cluster, *argv) -> str:
+    """``labkit run *argv`` in this process on the warm session ``cluster``: exit 0, and the
+    CLI asked for exactly ``Cluster(world_size=cluster.world_size)``; returns what it
+    printed."""
+    import labkit.cluster
+
+    asked = []
+
+    def lend(world_size, **kwargs):
+        asked.append((world_size, kwargs))
+        return _Lent(cluster)
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(labkit.cluster, "Cluster", lend)
+        for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+            mp.delenv(k, raising=False)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["run", *argv])
+    assert rc == 0, f"exit {rc}\n{out.getvalue()}\n{err.getvalue()}"
+    assert asked == [(cluster.world_size, {})], asked
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
-def cluster_json():
-    return json.loads(_ok(_labkit("-m", "labkit", *RUN, "--json")))
+def cluster_json(cluster2):
+    return json.loads(_run_here(cluster2, *RUN[1:], "--json"))
 
 
 # --------------------------------------------------------------------------- flags → config
@@ -354,10 +399,10 @@ def test_run_json_is_plain_data(cluster_json):
 
 
 @pytest.mark.distributed
-def test_run_zero3_memory_and_bytes_per_collective():
+def test_run_zero3_memory_and_bytes_per_collective(cluster2):
     """``--zero 3``: model state and reduce-scatter / all-gather bytes equal their
     predictions on every rank; the all-gather time hidden is a percentage."""
-    out = _ok(_labkit("-m", "labkit", "run", "--dp", "2", "--zero", "3", "--steps", "3"))
+    out = _run_here(cluster2, "--dp", "2", "--zero", "3", "--steps", "3")
     assert "ZeRO-3 · K=2 shards × M=1 replicas · prefetch on · keep_last on" in out
     mem, comm = _tables(out)
     _model_state_equal(mem)
@@ -371,11 +416,11 @@ def test_run_zero3_memory_and_bytes_per_collective():
 
 
 @pytest.mark.distributed
-def test_run_hsdp_one_shard_per_group_prints_dash_for_ag_hidden():
+def test_run_hsdp_one_shard_per_group_prints_dash_for_ag_hidden(cluster2):
     """HSDP with M=2 replicas of K=1 shard: nothing is all-gathered, so the hidden
     fraction is '—' (not a percentage of empty calls)."""
-    out = _ok(_labkit("-m", "labkit", "run", "--dp", "2", "--zero", "3", "--hsdp-replicas",
-                      "2", "--steps", "2"))
+    out = _run_here(cluster2, "--dp", "2", "--zero", "3", "--hsdp-replicas", "2", "--steps",
+                    "2")
     assert "ZeRO-3 · K=1 shards × M=2 replicas" in out
     mem, comm = _tables(out)
     _model_state_equal(mem)
@@ -401,9 +446,9 @@ def _bubble_section(out: str, pp_rows: dict) -> None:
 
 
 @pytest.mark.distributed
-def test_run_pp_prints_measured_and_simulated_bubble():
-    out = _ok(_labkit("-m", "labkit", "run", "--pp", "2", "--microbatches", "4", "--schedule",
-                      "1f1b", "--steps", "2"))
+def test_run_pp_prints_measured_and_simulated_bubble(cluster2):
+    out = _run_here(cluster2, "--pp", "2", "--microbatches", "4", "--schedule", "1f1b",
+                    "--steps", "2")
     assert "labkit run · model tiny · 2 layers ·" in out and "world 2" in out
     assert "pipeline · schedule 1f1b · P=2 M=4 V=1 · " in out and "launcher cluster" in out
     assert "1f1b        P=2 M=4 V=1: bubble measured" in out
@@ -416,9 +461,9 @@ def test_run_pp_prints_measured_and_simulated_bubble():
 
 
 @pytest.mark.distributed
-def test_run_pp_json_has_the_pipeline_summary_and_rows():
-    out = json.loads(_ok(_labkit("-m", "labkit", "run", "--pp", "4", "--microbatches", "4",
-                                 "--steps", "2", "--json")))
+def test_run_pp_json_has_the_pipeline_summary_and_rows(cluster4):
+    out = json.loads(_run_here(cluster4, "--pp", "4", "--microbatches", "4", "--steps", "2",
+                               "--json"))
     assert out["deepened"] == {"from": 2, "to": 4}  # tiny: one layer per stage
     assert out["config"]["model"]["n_layers"] == 4 and out["config"]["parallel"]["pp"] == 4
     s, rows = out["pipeline"]["summary"], out["pipeline"]["rows"]
@@ -432,11 +477,11 @@ def test_run_pp_json_has_the_pipeline_summary_and_rows():
 
 # --------------------------------------------------------------------------- N-D, 4 ranks
 @pytest.mark.distributed
-def test_run_dp2_pp2_on_four_ranks():
+def test_run_dp2_pp2_on_four_ranks(cluster4):
     """``--dp 2 --pp 2``, interleaved: tiny (2 layers) deepened to pp x V = 4, two
     pipelines, the bubble read from the first, all-reduce and boundary bytes as predicted."""
-    out = _ok(_labkit("-m", "labkit", "run", "--dp", "2", "--pp", "2", "--schedule",
-                      "interleaved", "--steps", "2"))
+    out = _run_here(cluster4, "--dp", "2", "--pp", "2", "--schedule", "interleaved", "--steps",
+                    "2")
     assert ("4 layers (preset 'tiny' has 2; deepened to pp x V = 4, one layer per stage)"
             in out and "world 4" in out)
     assert "Mesh pp=2 x dp_replicate=2 (4 ranks)" in out
@@ -453,9 +498,9 @@ def test_run_dp2_pp2_on_four_ranks():
 
 
 @pytest.mark.distributed
-def test_run_zero3_dp2_pp2_on_four_ranks():
-    out = _ok(_labkit("-m", "labkit", "run", "--zero", "3", "--pp", "2", "--dp", "2",
-                      "--microbatches", "4", "--steps", "2"))
+def test_run_zero3_dp2_pp2_on_four_ranks(cluster4):
+    out = _run_here(cluster4, "--zero", "3", "--pp", "2", "--dp", "2", "--microbatches", "4",
+                    "--steps", "2")
     assert "ZeRO-3 · K=2 shards × M=1 replicas" in out and "world 4" in out
     assert "Mesh pp=2 x dp_shard=2 (4 ranks)" in out
     mem, comm = _tables(out)
@@ -491,12 +536,14 @@ def test_torchrun_bad_degrees_exit_2_on_rank_0_only(monkeypatch, capsys):
 
 @pytest.mark.distributed
 def test_torchrun_prints_the_report_once_and_matches_cluster(cluster_json):
-    out = _ok(_torchrun(*RUN))
-    assert out.count("labkit run · model tiny") == 1 and "launcher torchrun" in out
-    mem, comm = _tables(out)
-    assert sorted(mem) == sorted(comm) == ["0", "1"]
-    theirs = json.loads(_ok(_torchrun(*RUN, "--json")))
+    """Rank 0 alone prints (one JSON document: a second would make ``json.loads`` fail),
+    with every rank's output gathered; the same losses and bytes as on a cluster. The text
+    report under torchrun: :func:`test_run_pp_under_torchrun`."""
+    out = _ok(_torchrun(*RUN, "--json"))
+    assert out.count('"launcher"') == 1
+    theirs = json.loads(out)
     assert theirs["launcher"] == "torchrun" and theirs["world_size"] == 2
+    assert [r["rank"] for r in theirs["ranks"]] == [0, 1]
     ours = cluster_json
     assert theirs["config"] == ours["config"]
     for a, b in zip(ours["ranks"], theirs["ranks"]):
@@ -510,6 +557,9 @@ def test_run_pp_under_torchrun():
     out = _ok(_torchrun("run", "--pp", "2", "--microbatches", "4", "--steps", "2"))
     assert out.count("labkit run · model tiny") == 1 and "launcher torchrun" in out
     assert out.count("pipeline · schedule 1f1b · P=2 M=4 V=1") == 1
+    mem, comm = _tables(out)
+    assert sorted(mem) == sorted(comm) == ["0", "1"]  # every rank's row, gathered to rank 0
+    _model_state_equal(mem)
     _bubble_section(out, {"0": 2, "1": 1})
 
 

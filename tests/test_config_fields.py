@@ -63,6 +63,8 @@ ELSEWHERE = {
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
 }
 CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap"}
+#: fingerprint per configuration already run in this module (see :func:`_fingerprint`)
+_RUNS: dict = {}
 
 
 def fingerprint(result) -> tuple:
@@ -78,13 +80,25 @@ def fingerprint(result) -> tuple:
             repr({r: Counter(v) for r, v in per_rank.items()}), repr(per_rank), repr(keys))
 
 
+def _fingerprint(cluster, cfg) -> tuple:
+    """The fingerprint of ``cfg``'s run, run once per module: the walk below already runs
+    the base and the changed configuration that most of ``test_each_field_takes_effect_
+    somewhere`` compare, and a run is deterministic (both tests rely on that: a run that
+    differed from itself would make every field look effective). ``timeout_s`` is left out
+    of the key: it bounds a run and changes nothing a finished run did."""
+    key = repr(dataclasses.replace(cfg, timeout_s=None))
+    if key not in _RUNS:
+        _RUNS[key] = fingerprint(cluster.run(jobs.train, cfg))
+    return _RUNS[key]
+
+
 def _outcome(cluster, cfg):
     """``"refused"`` or the run's fingerprint."""
     try:
         cfg.validate(cluster.world_size)
     except ValueError:
         return "refused"
-    return fingerprint(cluster.run(jobs.train, cfg))
+    return _fingerprint(cluster, cfg)
 
 
 def test_every_field_has_a_value_and_a_place_to_show():
@@ -98,7 +112,7 @@ def test_every_field_has_a_value_and_a_place_to_show():
 @pytest.mark.parametrize("comp", list(COMPOSITIONS))
 def test_each_field_takes_effect_or_is_refused(cluster2, comp):
     base = BASE.replace(**COMPOSITIONS[comp])
-    baseline = fingerprint(cluster2.run(jobs.train, base))
+    baseline = _fingerprint(cluster2, base)
     silent = []
     for f in dataclasses.fields(RunConfig):
         if f.name in ELSEWHERE:
@@ -117,5 +131,4 @@ def test_each_field_takes_effect_somewhere(cluster2, name):
                         else BASE.timeout_s)
     changed = base.replace(**{name: VALUES[name]})
     changed.validate(2)  # must run here
-    assert fingerprint(cluster2.run(jobs.train, changed)) != \
-        fingerprint(cluster2.run(jobs.train, base))
+    assert _fingerprint(cluster2, changed) != _fingerprint(cluster2, base)

@@ -76,10 +76,12 @@ def test_mesh_is_frozen_picklable_and_checks_its_degrees():
 
 @pytest.mark.distributed
 def test_rerunning_a_configuration_creates_no_process_group(cluster4):
-    """The pool creates a job's groups once (DESIGN §9): twenty slider re-runs of the same
+    """The pool creates a job's groups once (DESIGN §9): slider re-runs of the same
     composition leave torch's group count unchanged, and so does switching to a smaller job
     and back; a full-world HSDP job after a partial-cluster job runs (its groups were
-    created by every rank, so no member's group counter is out of step)."""
+    created by every rank, so no member's group counter is out of step). Five re-runs: a
+    job that creates a group it should have reused does so on every run, so the count is
+    already off after the first."""
     from jobs_for_tests import group_count
 
     from labkit import jobs
@@ -88,7 +90,7 @@ def test_rerunning_a_configuration_creates_no_process_group(cluster4):
     cfg = RunConfig(steps=1, measure_memory=False, count_flops=False).replace(dp=2, pp=2)
     cluster4.run(jobs.train, cfg)
     before = cluster4.run(group_count).outputs
-    for _ in range(20):
+    for _ in range(5):
         cluster4.run(jobs.train, cfg)
     assert cluster4.run(group_count).outputs == before
     cluster4.run(jobs.train, cfg.replace(dp=1, pp=1))  # a job on 1 of the 4 ranks

@@ -1,20 +1,31 @@
 """Run All three times in one kernel leaves one pool: exactly ``world_size`` rank processes.
 
-The tour creates ``Cluster(4)``, a timeline and an explorer that holds the cluster; the
-widget registry keeps every explorer (and so every old cluster) alive for the kernel's
-life. Each Run All must still stop the previous pool.
+A notebook like the tour creates ``Cluster(4)``, makes a rank fail (the pool restarts with
+new processes) and shows an explorer that holds the cluster; the widget registry keeps
+every explorer (and so every old cluster) alive for the kernel's life. Each Run All must
+still stop the previous pool, including the processes a restart started. The notebook here
+has only the cells that start, restart or hold a pool (the tour's other cells run their
+jobs on it and start nothing; nbval runs the tour itself once), so Run All x3 costs three
+starts and three restarts of four ranks, not three runs of the whole tour.
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import nbformat
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+#: the tour's pool cells: the cluster, a failing job (the pool restarts), an explorer
+#: holding the cluster and running one tiny job on it
+CELLS = [
+    "import labkit as lk\nfrom labkit_widgets import Explorer",
+    "cluster = lk.Cluster(world_size=4)\nprint(cluster)",
+    "try:\n    cluster.run(lk.jobs.fail, 1)\nexcept lk.RankError as err:\n"
+    "    print(f'RankError from rank {err.rank}')",
+    "explorer = Explorer(cluster, lk.RunConfig(model='tiny', steps=1, global_batch=8)"
+    ".replace(dp=4))\nexplorer",
+]
 
 
 def rank_processes(root_pid: int) -> list:
@@ -30,24 +41,27 @@ def rank_processes(root_pid: int) -> list:
     return out
 
 
-def test_tour_run_all_three_times_leaves_world_size_ranks():
+def test_run_all_three_times_leaves_world_size_ranks(tmp_path):
     from nbclient import NotebookClient
 
-    nb = nbformat.read(NOTEBOOKS / "00_tour.ipynb", as_version=4)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in CELLS])
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
-    counts = []
+                            resources={"metadata": {"path": str(tmp_path)}})
+    counts, restarted = [], []
     with client.setup_kernel():
         pid = client.km.provisioner.process.pid
         for _ in range(3):
             for index, cell in enumerate(nb.cells):
                 client.execute_cell(cell, index)
             counts.append(len(rank_processes(pid)))
-        check = nbformat.v4.new_code_cell("print(sorted(cluster.pids))")
+            restarted.append(nb.cells[2].outputs[0]["text"].strip())
+        check = nbformat.v4.new_code_cell("print(sorted(cluster.pids), cluster.restarts, "
+                                          "len(explorer.history))")
         nb.cells.append(check)
         client.execute_cell(check, len(nb.cells) - 1)
         current = check.outputs[0]["text"].strip()
         ranks = sorted(rank_processes(pid))
     print(f"rank processes after each Run All: {counts}")
+    assert restarted == ["RankError from rank 1"] * 3   # each Run All restarted its pool
     assert counts == [4, 4, 4], counts
-    assert current == str(ranks)  # the four left are the current cluster's
+    assert current == f"{ranks} 1 1"  # the four left are the current cluster's (restarted once)

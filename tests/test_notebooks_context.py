@@ -11,28 +11,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import nbformat
-from notebook_outputs import checked as _checked, checked_output as _checked_output, text as _text
+from notebook_outputs import (assert_only_checked_cells_store_output, checked as _checked,
+                              checked_output as _checked_output, text as _text)
 import pytest
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "07_context_parallel.ipynb"
-MARK = "NBVAL_CHECK_OUTPUT"
-
-
-@pytest.fixture(scope="module")
-def cells():
-    return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
 
 
 def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):
-    checked = _checked(cells)
-    assert len(checked) >= 8
-    for c in checked:
-        assert _text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
-        assert all(o.get("output_type") == "stream" for o in c.outputs)
-    for c in cells:
-        if MARK not in c.source:
-            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
+    assert_only_checked_cells_store_output(cells, at_least=8)
 
 
 def test_stored_expectations_are_passes(cells):

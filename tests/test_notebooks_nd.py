@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import nbformat
-from notebook_outputs import checked as _checked, checked_output as _out, text as _text
+from notebook_outputs import (assert_only_checked_cells_store_output, checked as _checked,
+                              checked_output as _out, text as _text)
 import pytest
 
 from labkit.config import ParallelConfig, RunConfig
@@ -22,23 +22,11 @@ from labkit.plan.layout import Layout, stage_layers
 from labkit.plan.models import plan_model
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "10_nd_parallelism.ipynb"
-MARK = "NBVAL_CHECK_OUTPUT"
 LAYOUTS = {"dp2 x tp2": dict(dp=2, tp=2), "tp2 x pp2": dict(tp=2, pp=2)}
 
 
-@pytest.fixture(scope="module")
-def cells():
-    return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
-
-
 def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):
-    checked = _checked(cells)
-    assert len(checked) >= 7
-    for c in checked:
-        assert _text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
-    for c in cells:
-        if MARK not in c.source:
-            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
+    assert_only_checked_cells_store_output(cells, at_least=7)
 
 
 def test_stored_expectations_are_passes(cells):

@@ -13,8 +13,8 @@ import ast
 import re
 from pathlib import Path
 
-import nbformat
-from notebook_outputs import checked as _checked, checked_output as _checked_output, text as _text
+from notebook_outputs import (assert_only_checked_cells_store_output, checked as _checked,
+                              checked_output as _checked_output, text as _text)
 import pytest
 
 from labkit.config import preset
@@ -24,16 +24,10 @@ from labkit.parallel.tensor.measure import (block_bytes_formula, block_weight_gr
 from labkit.plan.tp_scaling import tp_scaling_curve
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "06_tensor_parallel.ipynb"
-MARK = "NBVAL_CHECK_OUTPUT"
 TINY = preset("tiny")     # the notebook's model: 2 blocks, H 64, 4 heads, S 64
 B = 2                     # its global batch
 RUNS = {"tp1": (1, False), "tp2": (2, False), "tp4": (4, False), "tp2-sp": (2, True),
         "tp4-sp": (4, True)}
-
-
-@pytest.fixture(scope="module")
-def cells():
-    return [c for c in nbformat.read(NB, as_version=4).cells if c.cell_type == "code"]
 
 
 def _int(s: str) -> int:
@@ -41,14 +35,7 @@ def _int(s: str) -> int:
 
 
 def test_every_checked_cell_stores_output_and_no_other_cell_does(cells):
-    checked = _checked(cells)
-    assert len(checked) >= 10
-    for c in checked:
-        assert _text(c).strip(), f"checked cell without stored output:\n{c.source[:200]}"
-        assert all(o.get("output_type") == "stream" for o in c.outputs)
-    for c in cells:
-        if MARK not in c.source:
-            assert not c.outputs, f"unchecked cell with stored output:\n{c.source[:200]}"
+    assert_only_checked_cells_store_output(cells, at_least=10)
 
 
 def test_stored_expectations_are_passes(cells):
