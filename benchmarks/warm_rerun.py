@@ -15,6 +15,14 @@
 Targets: hello overhead median <= 0.5 s; the composition's overhead beyond its steps
 <= 50 ms. Prints ``RESULT warm_rerun_overhead_median_s <s>`` and
 ``RESULT rerun_beyond_steps_median_s <s>``.
+
+``--breakdown`` then says where the composition's re-run time goes, per component, in CPU
+milliseconds (what a loaded machine disturbs least) and wall milliseconds: each rank runs
+the job with its phases timed and its garbage collections counted (:func:`phases_train`),
+and the caller counts its own CPU inside ``Cluster.run``. Those runs are spaced by a short
+pause, as a user's slider moves are.
+
+    .venv/bin/python benchmarks/warm_rerun.py [--breakdown] [--runs 20]
 """
 from __future__ import annotations
 
@@ -46,7 +54,133 @@ def _timed(cluster, job, cfg=None):
     return r, time.perf_counter() - t0
 
 
+#: labkit.train's phases that phases_train times: (module, function)
+PHASES = (("labkit.train", "build_rank"), ("labkit.train.pipeline", "make_executor"),
+          ("labkit.train", "run_steps"), ("labkit.train", "_global_losses"),
+          ("labkit.train", "memory_metrics"), ("labkit.train", "comm_metrics"),
+          ("labkit.train", "flops_and_mfu"), ("labkit.train.pipeline", "p2p_latency"))
+
+
+#: CPU seconds of every garbage collection in this rank since the last phases_train read it
+_GC = {"cpu_s": 0.0, "t0": None, "n": 0}
+
+
+def _gc_timer(phase, info):
+    if phase == "start":
+        _GC["t0"] = time.thread_time()
+    elif _GC["t0"] is not None:
+        _GC["cpu_s"] += time.thread_time() - _GC["t0"]
+        _GC["n"] += 1
+        _GC["t0"] = None
+
+
+def phases_train(ctx, cfg) -> dict:
+    """``labkit.train.run`` with each of :data:`PHASES` timed on this rank: ``out["phases"]
+    = {name: (thread CPU s, wall s)}``; ``out["job_cpu_s"]`` and ``out["steps_cpu_s"]`` the
+    process CPU (every thread, gloo's too) of the whole job and inside ``run_steps``;
+    ``out["gc_cpu_s"]`` the CPU of the garbage collections between the previous call's end
+    and this one's start (the rank loop's after that job), ``out["gc_during_cpu_s"]`` those
+    during this job. The functions are wrapped for this job only."""
+    import gc
+    import importlib
+
+    from labkit import train
+
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
+    gc_cpu, _GC["cpu_s"] = _GC["cpu_s"], 0.0
+    times: dict = {}
+    real = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            c0, t0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] = (time.thread_time() - c0, time.perf_counter() - t0)
+                if name == "run_steps":
+                    times["steps_cpu_s"] = time.process_time() - p0
+        return wrapper
+
+    for mod, name in PHASES:
+        m = importlib.import_module(mod)
+        real[(m, name)] = getattr(m, name)
+        setattr(m, name, timed(name, real[(m, name)]))
+    c0, p0 = time.thread_time(), time.process_time()
+    try:
+        out = train.run(ctx, cfg)
+    finally:
+        for (m, name), fn in real.items():
+            setattr(m, name, fn)
+    out["job_thread_cpu_s"] = time.thread_time() - c0
+    out["job_cpu_s"] = time.process_time() - p0
+    out["gc_during_cpu_s"], _GC["cpu_s"] = _GC["cpu_s"], 0.0
+    out["steps_cpu_s"] = times.pop("steps_cpu_s")
+    out["gc_cpu_s"] = gc_cpu
+    out["phases"] = times
+    return out
+
+
+def breakdown(cluster, cfg, runs: int, pause_s: float = 0.3) -> None:
+    """Print where a warm re-run of ``cfg`` spends its time (see the module docstring)."""
+    job = "warm_rerun:phases_train"
+    cluster.run(job, cfg)
+    cluster.run(job, cfg)
+    rows: dict = {}
+
+    def add(name, rank, cpu_s, wall_s=None):
+        rows.setdefault(name, {}).setdefault(rank, []).append((cpu_s, wall_s))
+
+    for _ in range(runs):
+        time.sleep(pause_s)
+        k0 = time.process_time()
+        t0 = time.perf_counter()
+        r = cluster.run(job, cfg)
+        wall = time.perf_counter() - t0
+        k1 = time.process_time()
+        steps = [e for e in r.trace.events if e.step >= 0]
+        s0, s1 = min(e.start for e in steps), max(e.end for e in steps)
+        add("wall beyond the steps (first step's start to last step's end)", "all", None,
+            wall - (s1 - s0))
+        add("  before the first step: dispatch, rank loop, build", "all", None, s0 - t0)
+        add("  after the last step: metrics, results back, trace merge", "all", None,
+            t0 + wall - s1)
+        add("caller: CPU inside Cluster.run", "caller", k1 - k0)
+        for rank, o in enumerate(r.outputs):
+            ph = o["phases"]
+            add("rank: process CPU of labkit.train.run beyond run_steps", rank,
+                o["job_cpu_s"] - o["steps_cpu_s"])
+            for name, (c, w) in ph.items():
+                if name != "run_steps":
+                    add(f"  thread CPU of {name}", rank, c, w)
+            add("  thread CPU of the rest of labkit.train.run", rank,
+                o["job_thread_cpu_s"] - sum(c for c, _ in ph.values()), None)
+            add("  of which automatic garbage collections (during the steps too)", rank,
+                o["gc_during_cpu_s"])
+            add("rank: garbage collection after the previous job (rank loop)", rank,
+                o["gc_cpu_s"])
+    print(f"\nwhere a warm re-run of {cfg.parallel} goes ({runs} runs {pause_s} s apart; "
+          f"median over runs, mean over ranks; load avg {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} cores)")
+    print(f"{'component':<66}{'CPU ms':>9}{'wall ms':>9}")
+    for name, per in rows.items():
+        cpus = [statistics.median(c for c, _ in v) for v in per.values() if v[0][0] is not None]
+        walls = [statistics.median(w for _, w in v) for v in per.values() if v[0][1] is not None]
+        c = f"{1e3 * statistics.mean(cpus):9.2f}" if cpus else f"{'':9}"
+        w = f"{1e3 * statistics.mean(walls):9.2f}" if walls else f"{'':9}"
+        print(f"{name:<66}{c}{w}")
+
+
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then time the composition's re-run per component")
+    ap.add_argument("--runs", type=int, default=20, help="re-runs of the composition")
+    args = ap.parse_args()
+
     import labkit
     from labkit import jobs
     from labkit.config import RunConfig
@@ -72,10 +206,12 @@ def main() -> int:
         comp = RunConfig(model="tiny", steps=3, global_batch=8).replace(dp=2, pp=2)
         cluster.run(jobs.train, comp)  # first run: FLOP counts, peak, groups
         beyond = []
-        for _ in range(20):
+        for _ in range(args.runs):
             r, wall = _timed(cluster, jobs.train, comp)
             steps = [e for e in r.trace.events if e.step >= 0]
             beyond.append((wall, _span(steps)))
+        if args.breakdown:
+            breakdown(cluster, comp, args.runs)
     finally:
         cluster.close()
 

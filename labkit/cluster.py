@@ -33,7 +33,7 @@ from .config import RunConfig
 from .preflight import check_run_fits, check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
-from .trace import Trace
+from .trace import Trace, unpack_events
 from .worker import check_config, job_reference
 
 __all__ = ["Cluster", "RunResult", "RankError", "JobCancelled", "job_reference"]
@@ -369,7 +369,7 @@ class Cluster:
             kind, rank, payload = self._next_message(pending, min(left, 0.5))
             if kind == "result":
                 outputs[rank] = payload["output"]
-                events.append(payload["events"])
+                events.append(unpack_events(payload["events"]))
                 pending.discard(rank)
             elif kind == "idle":
                 pending.discard(rank)

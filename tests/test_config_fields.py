@@ -62,7 +62,8 @@ ELSEWHERE = {
                    "uses every parameter)",
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
 }
-CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap"}
+CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap",
+         "reused"}  # what a warm rank took from its cache: the same run either way
 #: fingerprint per configuration already run in this module (see :func:`_fingerprint`)
 _RUNS: dict = {}
 

@@ -16,6 +16,9 @@ bit-identical to the single-process reference's, with no broadcast. Then:
   between them (:class:`TiedEmbedding`) before any data-parallel reduction; under ZeRO it
   is kept out of the flat units and reduced by a small DDP wrapper, because the sharded
   units reduce-scatter their gradients during backward, before the two copies could meet.
+* **Warm re-runs.** A rank that ran the same config before reuses the stages it composed,
+  restored to their values as composed (:mod:`labkit.train.cache`); wrappers and optimizer
+  are always new.
 * **Loss rule.** Every rank's loss is the sum of its token losses over the *global*
   token count, and every gradient reduction is a plain sum, so no divisor depends on a
   group's size.
@@ -29,8 +32,9 @@ import torch
 from torch import nn
 
 from ..mesh import MeshGroups
-from ..models import build_model
 from ..parallel.dp import DataParallel, torch_ddp, unique_parameters
+
+from .cache import fresh_model, keep_stages, reuse_stages
 
 __all__ = ["RankSetup", "build_rank"]
 
@@ -52,6 +56,8 @@ class RankSetup:
         track: tensors the memory tracker should count as this rank's working set.
         plain_params: the optimizer's parameters outside flat units (their ``.grad`` is
             cleared after each step; the units clear their own).
+        reused: what a warm rank took from its cache instead of building
+            (:mod:`labkit.train.cache`).
     """
 
     cfg: Any
@@ -73,6 +79,7 @@ class RankSetup:
     cp_core: Any = None
     tp_info: Any = None
     expert_params: list = field(default_factory=list)
+    reused: list = field(default_factory=list)
 
     @property
     def memory_module(self) -> nn.Module:
@@ -92,11 +99,34 @@ class RankSetup:
 
 
 def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
-    """Compose this rank's stages, wrappers and optimizer for ``cfg`` (validated)."""
+    """Compose this rank's stages, wrappers and optimizer for ``cfg`` (validated).
+
+    A warm rank re-running ``cfg`` takes the stages it composed for it before, restored to
+    their values as composed (:mod:`labkit.train.cache`); the tied-embedding exchange, the
+    data-parallel wrappers and the optimizer are built afresh either way.
+    ``setup.reused`` names what came from the rank's cache (``"stages"``, ``"model"``)."""
+    setup = reuse_stages(ctx, cfg, mg, RankSetup)
+    if setup is not None:
+        setup.reused.append("stages")
+    else:
+        setup = _compose_stages(ctx, cfg, mg)
+        keep_stages(ctx, setup)
+    _tie_across_stages(setup)
+    setup.autocast = _precision(cfg, ctx.device)
+    _data_parallel(setup)
+    setup.opt = _optimizer(setup)
+    return setup
+
+
+def _compose_stages(ctx, cfg, mg: MeshGroups) -> RankSetup:
+    """The full model from the seed → this rank's pipeline stages → tensor, context and
+    expert parallelism → activation checkpointing → compiled blocks."""
     mc, device = cfg.model_config, ctx.device
-    model = build_model(mc, device=device, seed=cfg.seed)
+    model, copied = fresh_model(ctx, cfg)  # build_model(mc, device, cfg.seed), or its copy
     n_params = sum(p.numel() for _, p in unique_parameters(model))
     setup = RankSetup(cfg, mg, device, {}, {}, n_params=n_params)
+    if copied:
+        setup.reused.append("model")
     if mc.kind == "vit":
         setup.stages = {0: model}
     else:
@@ -104,18 +134,14 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
         _tensor_parallel(setup)
         _context_parallel(setup)
         _expert_parallel(setup)
-        _tie_across_stages(setup)
     del model  # the stages keep their own pieces; the rest of the full model is freed
     setup.rank_params = sum(p.numel() for _, p in unique_parameters(
         nn.ModuleList(setup.stages.values())))
     _checkpoint(setup)
-    setup.autocast = _precision(cfg, device)
     if cfg.compile:
         for m in setup.stages.values():
             for block in m.layers:
                 block.compile()
-    _data_parallel(setup)
-    setup.opt = _optimizer(setup)
     return setup
 
 
