@@ -5,9 +5,9 @@
 layer at a time from the first stage, the last, the second, the second-to-last, … — the ends
 go first because they also carry the token embedding (first) and the final norm, output
 head and loss (last). Llama 3 405B's 126 layers on 16 stages give 7, 8, …, 8, 7: one layer
-fewer on the first and the last stage, as Llama 3 did (Dubey et al. 2024, "The Llama 3 Herd
-of Models", §3.3.2: "we reduce one Transformer layer each from the first and the last
-stages"). An explicit list of per-stage counts replaces the rule.
+fewer on the first and the last stage, which is how Llama 3 balanced its pipeline (Dubey et
+al. 2024, "The Llama 3 Herd of Models", §3.3.2). An explicit list of per-stage counts
+replaces the rule.
 
 Pure Python (no torch): :func:`labkit.validate.validate_run` and :mod:`labkit.plan` use the
 same rule as :class:`~.stage.StageModule`.
