@@ -9,8 +9,9 @@ before any rank process is touched (DESIGN.md §3). The rules, in the order they
    over those ranks); HSDP replicas divide ``dp``.
 3. **Batch**: ``global_batch`` divides by ``dp``, the local batch by ``micro_batch``, the
    step's microbatches by the pipeline flush's ``microbatches``.
-4. **Shapes**: layers by ``pp·V`` (each rank ``V`` equal stages), and what tensor, context
-   and expert parallelism need of heads, widths, sequence and experts.
+4. **Shapes**: at least one layer per stage (``pp·V`` stages; uneven stages follow
+   :mod:`labkit.parallel.pipeline.split`), and what tensor, context and expert parallelism
+   need of heads, widths, sequence and experts.
 5. **Schedules**: each schedule's own limits (interleaved's ``M`` vs ``P``), and PyTorch's
    schedules' rules for ``impl="torch"`` (1F1B needs ``M >= P``; interleaved and ZB-V need
    ``M`` a multiple of ``max(1, M // P)`` rounds; ZB-V exactly 2 stages per rank).
@@ -139,10 +140,15 @@ def _model(cfg, mc) -> None:
     if mc.kind == "vit" and (p.pp, p.tp, p.cp, p.ep) != (1, 1, 1, 1):
         raise ValueError(f"the ViT trains with data parallelism only; got pp={p.pp}, "
                          f"tp={p.tp}, cp={p.cp}, ep={p.ep}")
-    if cfg.checkpoint == "every" and not 1 <= cfg.checkpoint_every <= mc.n_layers // cfg.n_stages:
-        raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
-                         f"the {mc.n_layers // cfg.n_stages} blocks of a stage "
-                         f"(n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
+    if cfg.checkpoint == "every":
+        from .parallel.pipeline.split import stage_layer_counts
+
+        # every stage checkpoints its own blocks: the smallest stage bounds C
+        counts = stage_layer_counts(mc.n_layers, min(cfg.n_stages, mc.n_layers))
+        if not 1 <= cfg.checkpoint_every <= min(counts):
+            raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
+                             f"the {min(counts)} blocks of a stage (the smallest of {counts}; "
+                             f"n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
     if p.tp > 1:
         from .parallel.tensor.check import check_tensor_parallel
 
@@ -179,9 +185,6 @@ def _pipeline(cfg, mc) -> None:
     if cfg.n_stages > layers:
         raise ValueError(f"pp x virtual_stages = {p.pp} x {v} = {cfg.n_stages} stages but the "
                          f"model has n_layers={layers}: more stages than layers")
-    if layers % cfg.n_stages:
-        raise ValueError(f"n_layers={layers} does not split into pp x virtual_stages = "
-                         f"{p.pp} x {v} = {cfg.n_stages} equal stages")
     cfg.build_schedule()  # the schedule's own limits (e.g. interleaved M vs P)
     if cfg.impl == "torch":
         _torch_schedule_rules(cfg)

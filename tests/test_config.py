@@ -29,8 +29,8 @@ def _bad(match, world=4, **kw):
     # shapes and schedules
     (dict(pp=4, schedule="interleaved"), r"pp x virtual_stages = 4 x 2 = 8 stages but the "
                                          r"model has n_layers=2"),
-    (dict(pp=2, model=ModelConfig(n_layers=3)), r"n_layers=3 does not split into pp x "
-                                                r"virtual_stages = 2 x 1 = 2 equal stages"),
+    (dict(pp=4, model=ModelConfig(n_layers=3)), r"pp x virtual_stages = 4 x 1 = 4 stages but "
+                                                r"the model has n_layers=3"),
     (dict(pp=2, schedule="zb-v", virtual_stages=3, model=DEEP), "runs 2 stage"),
     (dict(pp=2, schedule="warp"), "unknown schedule 'warp'"),
     (dict(checkpoint="every", checkpoint_every=3), r"checkpoint_every=3 must satisfy 1 <= C "

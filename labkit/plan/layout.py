@@ -188,19 +188,14 @@ def layout_from_mesh(mesh, *, zero: int = 1, **knobs) -> Layout:
 
 
 def stage_layers(n_layers: int, pp: int) -> list[int]:
-    """Transformer layers on each pipeline rank.
+    """Transformer layers on each pipeline rank: labkit's own split
+    (:func:`labkit.parallel.pipeline.split.stage_layer_counts`).
 
     Equal when ``pp`` divides ``n_layers``; otherwise every rank gets ``⌈L/pp⌉`` and the
     shortfall is taken from the first and last ranks alternately, which also carry the
     embedding and the output head — Llama 3 405B's 126 layers on 16 stages: 7, 8, …, 8, 7
     (Dubey et al. 2024 §3.3.2).
     """
-    base = -(-n_layers // pp)
-    out = [base] * pp
-    short, i = base * pp - n_layers, 0
-    while short:
-        j = i // 2 if i % 2 == 0 else pp - 1 - i // 2
-        out[j] -= 1
-        short, i = short - 1, i + 1
-    return out
+    from labkit.parallel.pipeline.split import stage_layer_counts
 
+    return stage_layer_counts(n_layers, pp)

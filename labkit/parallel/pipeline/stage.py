@@ -1,7 +1,8 @@
 """The GPT cut into pipeline stages, the zero-bubble backward split, activation metering.
 
-* :class:`StageModule` — stage ``s`` of ``n``: a contiguous run of transformer blocks; stage
-  0 also holds the token embedding, the last stage the final norm and the head. Input
+* :class:`StageModule` — stage ``s`` of ``n``: a contiguous run of transformer blocks
+  (equal runs, or uneven ones: :mod:`.split`); stage 0 also holds the token embedding,
+  the last stage the final norm and the head. Input
   ``(b, S)`` token ids (stage 0) or ``(b, S, H)`` activations; output ``(b, S, H)``, or
   logits ``(b, S, V)`` on the last stage.
 * :class:`SplitLinear` + :class:`WeightGradStore` — the ``B``/``W`` split of Qi et al. 2023
@@ -35,31 +36,31 @@ from ...config import ModelConfig
 from ...models import build_model
 from ...models.gpt import rope_slice
 from .actions import check_pp_ranks
+from .split import layer_ranges
 
 __all__ = ["StageModule", "build_stages", "layer_ranges", "SplitLinear", "WeightGradStore",
            "ActivationMeter", "TiedEmbedding"]
 
 
-def layer_ranges(n_layers: int, n_stages: int) -> list:
-    """Equal contiguous runs of layers: ``[range(0, L/n), …]``.
+class StageModule(nn.Module):
+    """Stage ``stage`` of ``n_stages`` carved out of a built ``GPT`` (weights shared).
+
+    Its layers are the ``stage``-th contiguous run of :func:`~.split.layer_ranges`: equal
+    runs when ``n_stages`` divides the layers, else the uneven default rule (the first and
+    last stages give up layers first: 126 layers on 16 stages hold 7, 8, …, 8, 7), or the
+    explicit per-stage counts ``stage_layers``.
 
     Raises:
-        ValueError: ``n_stages`` does not divide ``n_layers``.
+        ValueError: more stages than layers, a bad ``stage_layers`` (see
+            :func:`~.split.stage_layer_counts`).
     """
-    if n_stages < 1 or n_layers % n_stages:
-        raise ValueError(f"n_layers={n_layers} does not split into {n_stages} equal stages")
-    k = n_layers // n_stages
-    return [range(i * k, (i + 1) * k) for i in range(n_stages)]
 
-
-class StageModule(nn.Module):
-    """Stage ``stage`` of ``n_stages`` carved out of a built ``GPT`` (weights shared)."""
-
-    def __init__(self, gpt: nn.Module, stage: int, n_stages: int):
+    def __init__(self, gpt: nn.Module, stage: int, n_stages: int,
+                 stage_layers: Optional[Sequence[int]] = None):
         super().__init__()
         self.stage, self.n_stages = stage, n_stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.layer_ids = list(layer_ranges(len(gpt.layers), n_stages)[stage])
+        self.layer_ids = list(layer_ranges(len(gpt.layers), n_stages, stage_layers)[stage])
         self.tok_emb = gpt.tok_emb if self.is_first else None
         self.layers = nn.ModuleList(gpt.layers[i] for i in self.layer_ids)
         self.norm = gpt.norm if self.is_last else None
@@ -97,12 +98,14 @@ class StageModule(nn.Module):
 
 def build_stages(model_cfg: ModelConfig, stages: list, n_stages: int, seed: int = 0,
                  device="cpu", split_backward: bool = False,
-                 store: Optional["WeightGradStore"] = None) -> dict:
+                 store: Optional["WeightGradStore"] = None,
+                 stage_layers: Optional[Sequence[int]] = None) -> dict:
     """``{stage: StageModule}`` for this rank's ``stages``, from one GPT built with ``seed``
     (so every rank's copy of a weight is bit-identical). With ``split_backward`` the linear
-    layers become :class:`SplitLinear` sharing ``store``."""
+    layers become :class:`SplitLinear` sharing ``store``; ``stage_layers`` as in
+    :class:`StageModule`."""
     gpt = build_model(model_cfg, device=device, seed=seed)
-    out = {s: StageModule(gpt, s, n_stages) for s in stages}
+    out = {s: StageModule(gpt, s, n_stages, stage_layers) for s in stages}
     if split_backward:
         store = store if store is not None else WeightGradStore()
         for mod in out.values():
