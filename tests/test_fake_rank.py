@@ -4,10 +4,20 @@
 * On a shard small enough to run for real, the fake measurement of every rank equals the
   real 4-rank job's tracked memory byte for byte (peak by category, model state, the marks
   up to the first forward): the same code allocated the same tensors.
-* At cluster scale (Llama 3 405B, TP8 x PP14 x DP128 = 14,336 ranks, ZeRO-1, bf16, full
-  recomputation), the measured model state equals the planner's to the byte (apart from
-  Adam's 4-byte step counters) and the activations agree within the band stated in
-  benchmarks/fake_rank_405b.py.
+* At cluster scale (Llama 3 405B, TP8 x PP16 x DP128 = 16,384 ranks, the 126 layers as 7,
+  8, ..., 8, 7; ZeRO-1, bf16, sequence parallelism, full recomputation, 16 microbatches),
+  pipeline rank 1 — the rank the planner finds fullest — is measured. Its model state equals
+  the planner's to the byte (apart from Adam's 4-byte step counters). Its activations at
+  their peak, itemised by role: the layer inputs full recomputation keeps equal the
+  planner's count to the byte (8 layers x 15 microbatches in flight); the rest is what
+  labkit keeps beyond Megatron-LM, each predicted to the byte by a named term
+  (:mod:`labkit.plan.implementation`) — the 16 stage outputs the executor holds until the
+  flush ends (Megatron-LM frees them once sent), the rebuilt layer's larger saved set
+  (gathered sequence-parallel inputs, fp32 norm copies, repeated K/V), the rotary tables —
+  and, not modelled, 3 receive buffers (a gradient in use, two posted ahead) and the first
+  microbatch's received input, which torch's tracker keeps after its backward (32 MiB). So
+  the prediction is within 5% of the measurement (2.2% below), where Megatron-LM's
+  accounting alone is 24% below.
 """
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ import pytest
 from jobs_fake_rank import read_corpus
 
 from labkit import jobs
-from labkit.config import ParallelConfig, RunConfig, preset
+from labkit.config import ModelConfig, ParallelConfig, RunConfig, preset
 from labkit.measure.fake_rank import compare, fake_rank_memory, planned_rank_memory
 
 TINY = dict(model="tiny", steps=1, global_batch=8, count_flops=False, measure_memory=True,
@@ -63,27 +73,89 @@ def test_tiny_model_state_equals_the_planner():
     assert units > 0 and units % 4 == 0 and units <= 4 * 8
 
 
-LLAMA_405B = RunConfig(model=preset("llama3-405b"), parallel=ParallelConfig(tp=8, pp=14, dp=128),
+#: a small pipeline of the 405B's kind: ZeRO-1 bf16 (untied: validate refuses a tied
+#: embedding there), tp2 x pp2 x dp2, sequence parallelism, full recomputation, 4
+#: microbatches
+SMALL = RunConfig(model=ModelConfig(n_layers=5, d_model=64, n_heads=4, n_kv_heads=2,
+                                    seq_len=64, tie_embeddings=False, name="pp-gqa"),
+                  parallel=ParallelConfig(tp=2, pp=2, dp=2), steps=1, global_batch=8,
+                  micro_batch=1,
+                  zero_stage=1, precision="bf16", sequence_parallel=True, checkpoint="full",
+                  count_flops=False)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_first_stage_activations_by_role_equal_labkits_terms(rank):
+    """Uneven stages (2 and 3 layers) on the first pipeline rank: every role the planner
+    models equals its term to the byte, at the activations' own peak."""
+    fake = fake_rank_memory(SMALL, rank)
+    plan = planned_rank_memory(SMALL, rank)
+    role, term = fake["activations"]["by_role"], plan["activation_terms"]
+    assert plan["layers"] == 2 and fake["stages"] == [0]
+    boundary = 2 * 1 * (64 // 2) * 64
+    assert role["kept layers"] == term["kept layers"] == 2 * 2 * boundary  # 2 in flight
+    assert role["stage outputs"] == term["stage outputs"] == 4 * boundary
+    assert role["rebuilt layer"] == term["rebuilt layer"]
+    assert role["rotary tables"] == term["rotary tables"] == 2 * 2 * 64 * 8 * 4
+    assert role["receive buffers"] % boundary == 0 and role["layer working set"] == 0
+    assert sum(role.values()) == fake["activations"]["peak"]
+    assert sum(fake["activations"]["at_total_peak"].values()) == \
+        fake["memory"]["peak"]["activations"]
+
+
+@pytest.mark.parametrize("name,tp,sp", [("tiny", 1, False), ("small", 2, True),
+                                        ("llama3-8b", 8, True), ("llama3-405b", 8, False)])
+def test_labkit_block_count_is_the_tensor_parallel_formula(name, tp, sp):
+    """In fp32 the planner's count of labkit's block equals labkit's own per-block formula
+    (labkit.parallel.tensor.activations, checked there against saved tensors)."""
+    from labkit.config import PRESETS
+    from labkit.parallel.tensor.activations import block_activation_formula
+    from labkit.plan.implementation import labkit_block_bytes
+    from labkit.plan.models import plan_model
+
+    mc = PRESETS[name]
+    got = labkit_block_bytes(plan_model(mc), 2, mc.seq_len, tp, sp, act_bytes=4)["total"]
+    assert got == block_activation_formula(mc, 2, mc.seq_len, tp, sequence_parallel=sp,
+                                           bytes_per_elem=4)
+
+
+LLAMA_405B = RunConfig(model=preset("llama3-405b"), parallel=ParallelConfig(tp=8, pp=16, dp=128),
                        global_batch=128 * 16, zero_stage=1, precision="bf16",
                        sequence_parallel=True, checkpoint="full", count_flops=False,
                        timeout_s=3600)
-#: |planned / measured - 1| for activations at this layout: -0.125 measured (the planner
-#: counts one recomputed layer that the tracker files under "other", and labkit holds ~75 MB
-#: per microbatch in flight beyond the layer inputs; labkit.measure.fake_rank's docstring)
-ACTIVATION_BAND = 0.15
+#: 2 bytes x microbatch 1 x 8,192/8 tokens x 16,384: one tensor crossing a stage boundary
+BOUNDARY = 2 * 1 * 1024 * 16384
 
 
 @pytest.mark.slow
 def test_405b_rank_agrees_with_the_planner():
     cfg = LLAMA_405B
-    assert cfg.parallel.world_size == 14336
-    fake = fake_rank_memory(cfg, 0)
-    assert fake["world_size"] == 14336 and fake["stages"] == [0]
-    got = compare(fake, planned_rank_memory(cfg, 0))
+    assert cfg.parallel.world_size == 16384
+    rank = 1024  # pipeline rank 1: 8 layers, 15 microbatches in flight (the fullest rank)
+    fake = fake_rank_memory(cfg, rank)
+    assert fake["world_size"] == 16384 and fake["stages"] == [1] and fake["coords"]["pp"] == 1
+    plan = planned_rank_memory(cfg, rank)
+    assert plan["layers"] == 8
+    got = compare(fake, plan)
     for c in ("parameters", "gradients"):
         assert got[c]["measured"] == got[c]["planned"], c
     assert 0 <= got["optimizer"]["measured"] - got["optimizer"]["planned"] <= 4 * 16
-    assert abs(got["activations"]["error"]) <= ACTIVATION_BAND, got["activations"]
+    # the activations' own peak, itemised: the roles add up to it, and the tracker's
+    # snapshot at the total peak is the same storages seen at another moment
+    acts = fake["activations"]
+    assert sum(acts["by_role"].values()) == acts["peak"] == got["activations"]["measured"]
+    assert sum(acts["at_total_peak"].values()) == fake["memory"]["peak"]["activations"]
+    role, term = acts["by_role"], plan["activation_terms"]
+    assert role["kept layers"] == term["kept layers"] == 8 * 15 * BOUNDARY
+    assert role["stage outputs"] == term["stage outputs"] == 16 * BOUNDARY
+    assert role["rebuilt layer"] == term["rebuilt layer"]
+    assert role["rotary tables"] == term["rotary tables"] == 15 * 2 * 8192 * 64 * 4
+    assert role["receive buffers"] % BOUNDARY == 0 and role["receive buffers"] <= 4 * BOUNDARY
+    # the first microbatch's received input, kept by torch's tracker after its backward
+    assert role["tracker-held inputs"] == BOUNDARY and role["layer working set"] == 0
+    assert role["other"] == 2 * 16 * 8192 * 8  # the flush's batch: int64 inputs and targets
+    assert abs(got["activations"]["error"]) <= 0.05, got["activations"]
+    assert got["activations (Megatron)"]["error"] < -0.2  # what the named terms explain
 
 
 def test_refuses_a_rank_outside_the_world_and_a_live_process_group(monkeypatch):

@@ -94,16 +94,30 @@ def test_cluster_claims_c3_and_c36(cells):
 
 def test_405b_rank_shard_and_model_state_agree_with_the_planner(cells):
     out = _out(cells, "fake_rank_memory(big")
-    lay = Layout(tp=8, pp=14, dp=128)
-    n = int(_local_params(plan_model("llama3-405b"), lay, stage_layers(126, 14))[0][0])
+    lay = Layout(tp=8, pp=16, dp=128)
+    layers = stage_layers(126, 16)
+    assert layers == [7] + [8] * 14 + [7]  # one fewer on the first and last stage
+    n = int(_local_params(plan_model("llama3-405b"), lay, layers)[0][1])  # pipeline rank 1
     total = plan_model("llama3-405b").params
-    assert f"rank 0 of 14,336: {n:,} parameters of {total:,}" in out
-    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert (f"rank 1024 of 16,384 (pipeline rank 1, 8 layers): {n:,} parameters of "
+            f"{total:,}") in out
+    lines = out.splitlines()
+    rows = {line[:23].strip(): line for line in lines[1:]
+            if " measured " in line and not line.startswith("  ")}
     gib = 2 ** 30
     for c, b in (("parameters", 2 * n), ("gradients", 2 * n), ("optimizer", 12 * n / 128)):
-        assert f"measured {b / gib:8.3f} GiB   planned {b / gib:8.3f} GiB" in rows[c], rows[c]
+        assert f"measured {b / gib:6.3f} GiB   planned {b / gib:6.3f} GiB" in rows[c], rows[c]
+    # with labkit's terms a few per cent below (the receive buffers posted ahead are not
+    # modelled); Megatron-LM's accounting far below (the prose names why)
     err = float(rows["activations"].rsplit("=", 1)[1])
-    assert 0 < err < 0.25, rows["activations"]  # the notebook's prose explains the sign
+    assert -0.05 <= err < 0, rows["activations"]
+    assert float(rows["activations (Megatron)"].rsplit("=", 1)[1]) < -0.3
+    roles = {line.split(" measured")[0].strip(): line for line in lines if line.startswith("  ")}
+    for r in ("kept layers", "stage outputs", "rebuilt layer", "rotary tables"):
+        measured, planned = re.findall(r"(\d+\.\d+) GiB", roles[r])
+        assert measured == planned, roles[r]
+    kept = 8 * 2 * (2 * 1024 * 16384)  # 8 layers x 2 microbatches x (S/t, H) in bf16
+    assert f"measured {kept / gib:6.3f} GiB" in roles["kept layers"]
 
 
 def test_the_planned_16384_gpu_layout_as_drawn(cells):

@@ -18,23 +18,34 @@ split, tensor/sequence parallelism, checkpointing, ZeRO flat units, AdamW) for o
   this is the local, shape-correct stand-in.
 
 Data-dependent reads (``tensor.item()``, ``bool(tensor)``) have no value under fake tensors;
-a dispatch mode answers each with ``1`` (``False`` for a bool), which keeps Adam's bias
+the fake-tensor mode answers each with ``1`` (``False`` for a bool), which keeps Adam's bias
 correction finite and labkit's input checks quiet. Losses are therefore not computed.
 
 The bytes are counted by the job's own tracker (:func:`labkit.measure.measure_memory`, torch's
 ``MemTracker``), exactly as in a real run, so the report has the same categories and, for a
-shard small enough to run for real, the same numbers (``tests/test_fake_rank.py``).
-:func:`planned_rank_memory` gives :mod:`labkit.plan`'s prediction for the same rank.
+shard small enough to run for real, the same numbers (``tests/test_fake_rank.py``). The
+activations are also itemised by role (:mod:`labkit.measure.activation_roles`) at their own
+peak, the figure a planner's per-rank activation memory describes.
+:func:`planned_rank_memory` gives :mod:`labkit.plan`'s prediction for the same rank, both as
+Megatron-LM keeps activations and with what labkit's job keeps beyond that
+(:mod:`labkit.plan.implementation`).
 
-Measured (``benchmarks/fake_rank_405b.py``): Llama 3 405B at TP8 x PP14 x DP128 (14,336
-ranks; labkit's pipeline needs equal stages, 126 = 14 x 9), sequence 8,192, 16 microbatches,
-1F1B, ZeRO-1, bf16, sequence parallelism, full recomputation; rank 0. Parameters and
-gradients equal the planner's to the byte (7.169 GiB each), the optimizer state differs only
-by Adam's 4-byte step counters, activations 5.18 GiB measured vs 4.54 GiB planned (-12.5%).
-Both keep every layer's (S/t, H) input; the planner adds one rebuilt layer (0.60 GiB) that the
-tracker files under "other" (created during backward), and labkit holds about 75 MB per
-microbatch in flight and 0.29 GB once beyond the layer inputs (fitted from 2 and 16
-microbatches; not yet itemised). About 70 s of CPU on this 2-core machine.
+Measured (``benchmarks/fake_rank_405b.py``; machine shared, CPU seconds of this process):
+Llama 3 405B at TP 8 × PP 16 × DP 128 = 16,384 ranks (126 layers as 7, 8, …, 8, 7 — one
+fewer on the first and last stage, as Llama 3 did), sequence 8,192, 16 microbatches, 1F1B,
+ZeRO-1, bf16, sequence parallelism, full recomputation. Parameters and gradients equal the
+planner's to the byte, the optimizer state differs only by Adam's 4-byte step counters. At
+its activation peak pipeline rank 1 (rank 1024: 8 layers, 15 microbatches in flight, the
+rank the planner finds fullest) holds 5.717 GiB: the layer inputs the planner counts (3.750
+GiB, to the byte), one rebuilt layer (1.282 GiB, where Megatron-LM's count is 0.598: labkit's
+block saves the gathered sequence-parallel inputs, fp32 norm copies and the repeated K/V),
+16 stage outputs (0.500 GiB: kept until the flush ends; Megatron-LM frees them once sent),
+15 microbatches' rotary tables (0.059 GiB) — each equal to its planned term to the byte —
+and, not modelled, 3 receive buffers (a gradient in use, two posted ahead: 0.094 GiB) and
+the first microbatch's received input, which torch's tracker keeps after its backward
+(0.031 GiB). Planned with labkit's terms 5.590 GiB (-2.2 %); Megatron-LM's accounting 4.348
+GiB (-24 %). Rank 0 (7 layers, 16 in flight): 5.441 GiB measured, 5.344 planned (-1.8 %).
+44-64 s of CPU per rank on the shared 2-core machine.
 
 Only one process group can exist per process: the fake one is created and destroyed here,
 and :func:`fake_rank_memory` refuses to run where ``torch.distributed`` is already
@@ -50,7 +61,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COMPARED"]
 
@@ -58,31 +68,45 @@ __all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COM
 CATEGORIES_COMPARED = ("parameters", "gradients", "optimizer", "activations")
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_DEVICE = torch.ops.prim.device.default
 
 
-class _ScalarStandIn(TorchDispatchMode):
-    """Answers every data-dependent scalar read (``.item()``, ``bool(t)``) with 1 or False:
-    fake tensors hold no values."""
+def _fake_mode():
+    """torch's ``FakeTensorMode`` that also answers every data-dependent scalar read
+    (``.item()``, ``bool(t)``) with 1 or False (fake tensors hold no values), and a fake
+    tensor's device query (asked from C++ at every autograd step) before its dispatch
+    machinery: one Python mode per operator instead of two."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _SCALAR:
-            t = args[0]
-            if t.dtype == torch.bool:
-                return False
-            return 1.0 if t.is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+    class _FakeWithScalars(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _DEVICE:
+                dev = getattr(args[0], "fake_device", None)
+                if dev is not None:
+                    return dev
+            elif func is _SCALAR:
+                t = args[0]
+                if t.dtype == torch.bool:
+                    return False
+                return 1.0 if t.is_floating_point() else 1
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+
+    return _FakeWithScalars(allow_non_fake_inputs=True)
 
 
 class _HeldWork:
     """A point-to-point work that keeps its tensor alive until ``wait()``, as gloo's and
     NCCL's works do (a sent activation is freed only after its send completes); the fake
-    backend's works keep nothing, which would free it early."""
+    backend's works keep nothing, which would free it early. ``on_wait(tensor)`` runs when
+    a receive is waited for."""
 
-    def __init__(self, work, tensor):
-        self._work, self._tensor = work, tensor
+    def __init__(self, work, tensor, on_wait=None):
+        self._work, self._tensor, self._on_wait = work, tensor, on_wait
 
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs) if self._work is not None else True
+        if self._on_wait is not None and self._tensor is not None:
+            self._on_wait(self._tensor)
         self._tensor = None
         return out
 
@@ -91,17 +115,22 @@ class _HeldWork:
 
 
 @contextlib.contextmanager
-def _p2p_holds_tensors():
+def _p2p_holds_tensors(ledger=None):
     saved = {name: getattr(dist, name) for name in ("isend", "irecv")}
 
-    def holding(fn):
+    def holding(fn, receive):
         def call(tensor, *args, **kwargs):
-            return _HeldWork(fn(tensor, *args, **kwargs), tensor)
+            on_wait, tag = None, kwargs.get("tag", args[2] if len(args) > 2 else 0)
+            if ledger is not None and receive:
+                on_wait = lambda t, tag=tag: ledger.on_wait(t, tag)  # noqa: E731
+            elif ledger is not None:
+                ledger.on_send(tag)
+            return _HeldWork(fn(tensor, *args, **kwargs), tensor, on_wait)
         return call
 
     try:
         for name, fn in saved.items():
-            setattr(dist, name, holding(fn))
+            setattr(dist, name, holding(fn, name == "irecv"))
         yield
     finally:
         for name, fn in saved.items():
@@ -149,17 +178,22 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
 
     Returns:
         ``{"memory": <the job's metrics["memory"]: peak bytes by category, model_state,
-        timeline>, "rank": rank, "coords": {axis: index}, "stages": [...], "rank_params":
-        parameters of this rank's stages (one tp shard, unsharded by ZeRO), "n_params",
-        "world_size", "wall_s": seconds}``.
+        timeline>, "activations": {"peak": the activations' own peak in the tracked step,
+        "by_role": bytes by role at that peak, "at_total_peak": bytes by role when the
+        tracked total peaked} (roles: :data:`labkit.measure.activation_roles.ROLES`),
+        "rank": rank, "coords": {axis: index}, "stages": [...], "rank_params": parameters of
+        this rank's stages (one tp shard, unsharded by ZeRO), "n_params", "world_size",
+        "wall_s": seconds}``.
 
     Raises:
         ValueError: ``rank`` outside the world, or an invalid ``cfg`` (from validation).
         RuntimeError: ``torch.distributed`` is already initialised in this process.
     """
     from labkit import train
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from labkit.train.pipeline import boundary_shape
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .activation_roles import RoleLedger, itemised_tracker, stage_output_blocks
 
     world = cfg.parallel.world_size
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
@@ -171,6 +205,8 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     cfg = replace(cfg, steps=steps, measure_memory=True, count_flops=False)
     cfg.validate(world)
+    mc = cfg.model_config
+    ledger = RoleLedger(boundary_shape(cfg), mc.head_dim // 2)
     t0 = time.perf_counter()
     if cfg.dataset == "text":
         from labkit.models.data import text_corpus
@@ -179,8 +215,8 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         ctx = _context(rank, world)
-        with warnings.catch_warnings(), _p2p_holds_tensors(), \
-                FakeTensorMode(allow_non_fake_inputs=True), _ScalarStandIn():
+        with warnings.catch_warnings(), _p2p_holds_tensors(ledger), itemised_tracker(ledger), \
+                _fake_mode():
             # the pipeline's activation meter keys storages by data_ptr, which fake tensors
             # do not have (its count is not used here; the tracker's is)
             warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
@@ -188,9 +224,13 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
     finally:
         dist.destroy_process_group()
     m = out["metrics"]
-    return {"memory": m["memory"], "rank": rank, "coords": m["coords"], "stages": m["stages"],
-            "rank_params": m["rank_params"], "n_params": m["n_params"], "world_size": world,
-            "wall_s": time.perf_counter() - t0}
+    last = stage_output_blocks(mc.n_layers, cfg.n_stages, m["stages"]) \
+        if mc.kind == "gpt" else set()
+    acts = {"peak": ledger.peak, "by_role": ledger.resolve(ledger.at_peak, last),
+            "at_total_peak": ledger.resolve(ledger.at_total_peak, last)}
+    return {"memory": m["memory"], "activations": acts, "rank": rank, "coords": m["coords"],
+            "stages": m["stages"], "rank_params": m["rank_params"], "n_params": m["n_params"],
+            "world_size": world, "wall_s": time.perf_counter() - t0}
 
 
 def _layout(cfg):
@@ -219,14 +259,21 @@ def planned_rank_memory(cfg, rank: int = 0) -> dict:
     """:mod:`labkit.plan`'s bytes by category for the pipeline rank of ``rank`` under
     ``cfg``: the same layout (mesh order, ZeRO stage, microbatch, schedule, checkpointing,
     sequence parallelism), gradients at the job's width (2 bytes with bf16 ZeRO units,
-    else 4), the planner's pipeline split.
+    else 4), the pipeline split labkit runs (:mod:`labkit.parallel.pipeline.split`).
+
+    Activations are predicted twice: ``"activations_megatron"`` as Megatron-LM keeps them
+    (:func:`labkit.plan.activations.activation_bytes_per_rank`), and ``"activations"`` with
+    what labkit's job keeps beyond that (:func:`labkit.plan.implementation.
+    labkit_activation_terms`, itemised in ``"activation_terms"``; for the selective policy,
+    which that does not model, the two are equal and the terms empty).
 
     Returns:
-        ``{"parameters", "gradients", "optimizer", "activations", "comm_buffers", "total",
-        "pp_rank", "layers"}`` (bytes; ``layers`` of that pipeline rank).
+        ``{"parameters", "gradients", "optimizer", "activations", "activations_megatron",
+        "activation_terms", "comm_buffers", "total", "pp_rank", "layers"}`` (bytes;
+        ``layers`` of that pipeline rank; ``total`` with ``"activations"``).
     """
-    from labkit.plan.activations import activation_bytes_per_rank
     from labkit.plan.estimate import _buffers, _local_params
+    from labkit.plan.implementation import labkit_activation_terms
     from labkit.plan.layout import stage_layers
     from labkit.plan.memory import rank_memory
     from labkit.plan.models import plan_model
@@ -238,27 +285,44 @@ def planned_rank_memory(cfg, rank: int = 0) -> dict:
     pp_rank = cfg.mesh.coords(rank)["pp"]
     layers = stage_layers(m.n_layers, lay.pp)
     params, per_layer = _local_params(m, lay, layers)
-    act = activation_bytes_per_rank(m, lay, layers)
+    if lay.checkpoint == "selective":
+        from labkit.plan.activations import activation_bytes_per_rank
+
+        mega, terms = activation_bytes_per_rank(m, lay, layers)["per_rank"][pp_rank], {}
+        act = mega
+    else:
+        kept = labkit_activation_terms(m, lay, layers, 2 if cfg.precision == "bf16" else 4)
+        mega = kept["megatron"]["per_rank"][pp_rank]
+        terms = dict(kept["per_rank"][pp_rank])
+        act = terms.pop("total")
     mixed = cfg.precision == "bf16" and cfg.zero_stage > 0
     r = replace(runtime_preset("megatron-2021"), grad_bytes=2 if mixed else 4)
     shard = cfg.mesh.dp_shard * cfg.mesh.cp  # labkit's ZeRO units shard over the fsdp view
-    out = rank_memory(params[pp_rank], lay.zero, shard, r.grad_bytes,
-                      act["per_rank"][pp_rank], _buffers(m, lay, r, per_layer))
-    out.update(pp_rank=pp_rank, layers=layers[pp_rank])
+    out = rank_memory(params[pp_rank], lay.zero, shard, r.grad_bytes, act,
+                      _buffers(m, lay, r, per_layer))
+    out.update(activations_megatron=mega, activation_terms=terms, pp_rank=pp_rank,
+               layers=layers[pp_rank])
     return out
 
 
 def compare(measured: dict, planned: dict) -> dict:
-    """``{category: {"measured", "planned", "error"}}`` for :data:`CATEGORIES_COMPARED`:
-    model state at its largest over the step, activations at their largest (the peak or a
-    mark); ``error`` is
+    """``{category: {"measured", "planned", "error"}}`` for :data:`CATEGORIES_COMPARED`,
+    plus ``"activations (Megatron)"`` when ``planned`` has that prediction: model state at
+    its largest over the step; activations at their own peak when ``measured`` comes from
+    :func:`fake_rank_memory` (else the tracked peak's, or a mark's if larger); ``error`` is
     ``planned / measured − 1`` (``nan`` when nothing was measured)."""
     mem = measured["memory"]
-    act = max([mem["peak"]["activations"]] + [v["activations"] for _, v in mem["timeline"]])
+    if "activations" in measured:
+        act = measured["activations"]["peak"]
+    else:
+        act = max([mem["peak"]["activations"]] + [v["activations"] for _, v in mem["timeline"]])
     got = dict(mem["model_state"], activations=act)
+    rows = [(c, c) for c in CATEGORIES_COMPARED]
+    if "activations_megatron" in planned:
+        rows.append(("activations (Megatron)", "activations_megatron"))
     out = {}
-    for c in CATEGORIES_COMPARED:
-        meas, plan = float(got[c]), float(planned[c])
-        out[c] = {"measured": meas, "planned": plan,
-                  "error": plan / meas - 1 if meas else float("nan")}
+    for name, key in rows:
+        meas, plan = float(got[name.split(" ")[0]]), float(planned[key])
+        out[name] = {"measured": meas, "planned": plan,
+                     "error": plan / meas - 1 if meas else float("nan")}
     return out

@@ -1,0 +1,139 @@
+"""What labkit's own training job keeps for backward, beside Megatron-LM's accounting.
+
+:mod:`labkit.plan.activations` counts activations as Megatron-LM keeps them (Korthikanti et
+al. 2022). labkit's job (:func:`labkit.train.run`) runs the same algorithms but keeps more
+in four places; each term below names the code that keeps it. They were found by listing
+the tensors a measured rank held at its activation peak (:mod:`labkit.measure.fake_rank`,
+Llama 3 405B at TP 8 × PP 16 × DP 128), and with them the prediction meets the measurement.
+
+Per pipeline rank ``i`` (bytes):
+
+* **kept layers** ``kept · L_i · n_i``: with full recomputation Megatron's ``kept`` (each
+  layer's input, which labkit keeps too); without, the rebuilt layer's bytes below;
+* **rebuilt layer** :func:`labkit_block_bytes` instead of Korthikanti's per-layer count,
+  plus (with SP) the MLP's ``(s/t, h)`` input, alive while the MLP, the rebuild's last
+  part, is recomputed;
+* **stage outputs** ``M · 2·b·(s/cp)·h`` (÷t with SP) for each stage of the rank but the
+  model's last;
+* **rotary tables** ``n_i · 2 · (s/cp) · (d/2) · 4`` with sequence or context parallelism;
+* **output layer** on the last rank: Megatron's fp32 logits term, unchanged.
+
+``L_i`` layers and ``n_i`` microbatches in flight on rank ``i``, ``M`` microbatches per
+flush, ``b`` sequences of ``s`` tokens, ``d`` the head size.
+
+* **Stage outputs.** labkit's pipeline executor (:mod:`labkit.parallel.pipeline.executor`)
+  keeps a stage's output as the root of that microbatch's backward, and its send is waited
+  for only when the flush ends, so every microbatch's output lives until then. Megatron-LM
+  frees the output's data as soon as it is sent and keeps only its autograd node
+  (``deallocate_output_tensor``; ``deallocate_pipeline_outputs=True`` in its training
+  arguments).
+* **The rebuilt layer** (full recomputation rebuilds one layer at a time). Under bf16
+  autocast labkit's block saves, per token and tp rank: each RMSNorm's fp32 copy of its input,
+  its bf16 normalised input and fp32 ``1/rms`` (``6h + 4`` bytes per norm, ÷t with SP;
+  Megatron: the 16-bit input, ``2h``); the **all-gathered** ``(s, h)`` input of the QKV and
+  of the MLP matmuls (labkit's sequence parallelism saves what it gathered; Megatron saves
+  the ``s/t`` shard and gathers again in backward, Korthikanti et al. 2022 §4.2.2); the
+  rotated Q, **K and V repeated** to the rank's query heads (grouped-query attention repeats
+  them before SDPA; Megatron stores the ``k`` heads), SDPA's output and fp32 log-sum-exp; a
+  copy of the output as the projection's input; SwiGLU's gate, up, silu and product. The
+  same terms as :func:`labkit.parallel.tensor.activations.block_activation_formula` (fp32),
+  with each tensor's own width.
+* **Rotary tables.** With sequence or context parallelism the stage's positions are set and
+  ``labkit.models.gpt.rope_slice`` indexes the fp32 cos and sin rows per forward; the
+  checkpointed layers keep them for their recomputation.
+
+Not modelled here: receive buffers the executor posts ahead of need (they appear in the
+measurement as their own role), and the last rank's output layer, for which
+:mod:`labkit.plan.activations`' fp32 logits term stands.
+"""
+from __future__ import annotations
+
+from labkit.plan.activations import activation_bytes_per_rank, in_flight
+
+__all__ = ["labkit_block_bytes", "labkit_activation_terms"]
+
+
+def labkit_block_bytes(model, b: int, s: int, tp: int = 1, sp: bool = False,
+                       act_bytes: int = 2) -> dict:
+    """Bytes one block of labkit's GPT saves for backward on one of ``tp`` ranks, for ``b``
+    sequences of ``s`` tokens each (the tokens attention sees: ``s/cp`` with context
+    parallelism), under autocast to ``act_bytes``-byte activations (2: bf16; 4: fp32). SDPA
+    (flash) attention, SwiGLU, RMSNorm, grouped-query K/V repeated before attention; sequence
+    parallelism without re-gathering (labkit's).
+
+    Returns:
+        ``{"norms", "gathered_inputs", "attention", "projection_input", "mlp", "total"}``.
+
+    Raises:
+        ValueError: a model labkit's GPT is not (a GELU MLP or eager attention).
+    """
+    if model.mlp != "swiglu" or model.attention != "flash":
+        raise ValueError(f"labkit's GPT has a SwiGLU MLP and SDPA attention, got "
+                         f"mlp={model.mlp!r}, attention={model.attention!r}")
+    h, f = model.d_model, model.d_ff
+    a_t = model.n_heads // tp
+    d = model.head_dim
+    T = b * s
+    split = tp if sp else 1
+    # norm input as fp32 (a copy under bf16 autocast), normalised input, fp32 1/rms
+    norms = 2 * (T // split) * (4 * h + act_bytes * h + 4)
+    gathered = 2 * T * h * act_bytes              # QKV input and MLP input, full sequence
+    # rotated Q, K and V repeated to a_t heads, output; fp32 log-sum-exp
+    attention = T * 4 * a_t * d * act_bytes + T * a_t * 4
+    # the projection's input is a copy of the output, except a view with one local head
+    proj = 0 if a_t == 1 else T * a_t * d * act_bytes
+    mlp = T * 4 * (f // tp) * act_bytes
+    out = {"norms": norms, "gathered_inputs": gathered, "attention": attention,
+           "projection_input": proj, "mlp": mlp}
+    out["total"] = sum(out.values())
+    return out
+
+
+def labkit_activation_terms(model, layout, layers_per_rank: list, act_bytes: int = 2) -> dict:
+    """labkit's activation bytes on each pipeline rank, term by term (module docstring).
+
+    Args:
+        model: a :class:`~labkit.plan.models.PlanModel`.
+        layout: a :class:`~labkit.plan.layout.Layout` (``microbatches`` per flush, full or
+            no recomputation).
+        layers_per_rank: transformer layers of each pipeline rank.
+        act_bytes: bytes of an activation (2 under bf16 autocast, 4 in fp32).
+
+    Returns:
+        ``{"per_rank": [{"kept layers", "rebuilt layer", "stage outputs", "rotary tables",
+        "output layer", "total"}, …], "megatron": activation_bytes_per_rank(...)}``.
+
+    Raises:
+        ValueError: ``layout.checkpoint`` is ``"selective"`` (labkit's selective policy
+            keeps every matmul output; not modelled here).
+    """
+    if layout.checkpoint == "selective":
+        raise ValueError("labkit_activation_terms models checkpoint 'full' and 'none', got "
+                         "'selective'")
+    mega = activation_bytes_per_rank(model, layout, layers_per_rank)
+    s = layout.seq_len or model.seq_len
+    s_local, t, sp, b = s // layout.cp, layout.tp, layout.sp, layout.microbatch
+    block = labkit_block_bytes(model, b, s_local, t, sp, act_bytes)["total"]
+    boundary = b * (s_local // (t if sp else 1)) * model.d_model * act_bytes
+    # in fp32 the first norm saves the layer input itself, already kept: no new storage;
+    # with SP the MLP's input shard is alive while the MLP is rebuilt (the rebuild's end)
+    rebuilt = block - (boundary if act_bytes == 4 else 0) + (boundary if sp else 0)
+    rope = 2 * s_local * (model.head_dim // 2) * 4 if (sp or layout.cp > 1) else 0
+    p = layout.pp
+    head = (4 * b * s_local * model.vocab_size / t
+            + 2 * b * s_local * model.d_model / (t if sp else 1))
+    v = layout.virtual_stages
+    kept = boundary if layout.checkpoint == "full" else block  # per layer and microbatch
+    out = []
+    for i in range(p):
+        n = in_flight(layout.schedule, p, layout.microbatches, i, v)
+        # each of the rank's V stages but the model's last keeps all M of its outputs
+        outputs = (v - (i == p - 1)) * layout.microbatches * boundary if p > 1 else 0
+        row = {"kept layers": kept * layers_per_rank[i] * n,
+               "rebuilt layer": rebuilt if layout.checkpoint == "full" else 0.0,
+               "stage outputs": outputs,
+               "rotary tables": n * rope,
+               "output layer": head if i == p - 1 else 0.0}
+        row["total"] = sum(row.values())
+        out.append(row)
+    return {"per_rank": out, "megatron": mega}
