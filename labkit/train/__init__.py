@@ -20,6 +20,7 @@ no communication: the ground truth every composition must match.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -72,6 +73,11 @@ def run(ctx, cfg: RunConfig) -> dict:
         from .pipeline import meter_untracked_steps
 
         step = meter_untracked_steps(step, meter, cfg)
+    # Garbage left by the build (a cold build allocates far more than a warm re-run) is
+    # collected now, and the collector's counters restart: its automatic collections
+    # then fall at the same allocations of the steps on a cold and a warm run, so
+    # measured peaks do not depend on what the rank ran before.
+    gc.collect()
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
             if cfg.model_config.n_experts else None
