@@ -4,8 +4,8 @@ any process, and the same job under torchrun.
 One run goes through the real entry point (``python -m labkit run``: its own Cluster
 started and closed, exit 0); the other compositions call :func:`labkit.cli.main` in this
 process with the session's warm cluster lent to the ``with Cluster(world_size=...)`` in
-:func:`labkit.cli.launch.cmd_run` (:func:`_run_here`), so each pays for its job, not for a
-Python start and ``world_size`` torch imports."""
+:func:`labkit.cli.launch.cmd_run` (:func:`_run_here`, tests/lending.py), so each pays for
+its job, not for a Python start and ``world_size`` torch imports."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lending import lend
 
 from labkit import cli
 from labkit.cli import run as cli_run
@@ -79,40 +80,16 @@ def _model_state_equal(mem_rows: dict) -> None:
         assert 0 <= float(pairs[2][0]) - float(pairs[2][1]) <= 0.001 + 1e-9, (r, cells)
 
 
-class _Lent:
-    """A session cluster lent to ``with Cluster(...) as cluster``; not closed on exit."""
-
-    def __init__(self, cluster):
-        self.cluster = cluster
-
-    def __enter__(self):
-        return self.cluster
-
-    def __exit__(self, *exc):
-        return None
-
-
 def _run_here(cluster, *argv) -> str:
     """``labkit run *argv`` in this process on the warm session ``cluster``: exit 0, and the
     CLI asked for exactly ``Cluster(world_size=cluster.world_size)``; returns what it
     printed."""
-    import labkit.cluster
-
-    asked = []
-
-    def lend(world_size, **kwargs):
-        asked.append((world_size, kwargs))
-        return _Lent(cluster)
-
     out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(labkit.cluster, "Cluster", lend)
-        for k in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
-            mp.delenv(k, raising=False)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli.main(["run", *argv])
+    with lend(cluster) as asked, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        rc = cli.main(["run", *argv])
     assert rc == 0, f"exit {rc}\n{out.getvalue()}\n{err.getvalue()}"
-    assert asked == [(cluster.world_size, {})], asked
+    assert asked == [((), {"world_size": cluster.world_size})], asked
     return out.getvalue()
 
 

@@ -105,10 +105,10 @@ def test_ranks_stuck_in_the_rendezvous_are_reported_after_the_join_timeout(monke
 
 
 def test_start_timeout_names_where_each_rank_stopped():
-    c = labkit.Cluster(2, threads_per_rank=1, start_timeout_s=15, replace=False)
+    c = labkit.Cluster(2, threads_per_rank=1, start_timeout_s=5, replace=False)
     try:
         os.kill(c.pids[1], signal.SIGSTOP)  # before it even runs Python's main
-        with pytest.raises(TimeoutError, match=r"did not start within 15 s \(.*rank 1 still "
+        with pytest.raises(TimeoutError, match=r"did not start within 5 s \(.*rank 1 still "
                                                r"(starting Python|importing torch)"):
             c.run(jobs.hello)
     finally:

@@ -207,11 +207,16 @@ def test_busbw_rows_follow_the_definitions(cluster8):
 
 
 @pytest.mark.distributed
-def test_cli_bench_collectives(capsys):
+def test_cli_bench_collectives(cluster2, capsys):
+    """The sweep on the session's 2 ranks, lent to the bench's own ``Cluster(2, ...)``."""
+    from lending import lend
+
     from labkit import cli
 
-    assert cli.main(["bench", "collectives", "--world-size", "2", "--max-size", "4K",
-                     "--rounds", "1", "--iters", "2", "--op", "all_gather"]) == 0
+    with lend(cluster2) as asked:
+        assert cli.main(["bench", "collectives", "--world-size", "2", "--max-size", "4K",
+                         "--rounds", "1", "--iters", "2", "--op", "all_gather"]) == 0
+    assert asked == [((2,), {"backend": "gloo", "device": "cpu"})]
     out = capsys.readouterr().out
     assert "all_gather" in out and "busbw" in out and "4 KiB" in out
     assert cli.main(["bench", "collectives", "--op", "reduce", "--algorithm", "ring"]) == 2
