@@ -68,6 +68,9 @@ PHASES = (("labkit.train", "build_rank"), ("labkit.train.pipeline", "make_execut
           ("labkit.train", "run_steps"), ("labkit.train", "_global_losses"),
           ("labkit.train", "memory_metrics"), ("labkit.train", "comm_metrics"),
           ("labkit.train", "flops_and_mfu"), ("labkit.train.pipeline", "p2p_latency"))
+#: parts of build_rank timed too (inside its time)
+BUILD_PHASES = (("labkit.train.build", "reuse_stages"), ("labkit.train.build", "_compose_stages"),
+                ("labkit.train.build", "_data_parallel"), ("labkit.train.build", "_optimizer"))
 
 
 #: CPU seconds of every garbage collection in this rank since the last phases_train read it
@@ -112,8 +115,10 @@ def phases_train(ctx, cfg) -> dict:
                     times["steps_cpu_s"] = time.process_time() - p0
         return wrapper
 
-    for mod, name in PHASES:
+    for mod, name in PHASES + BUILD_PHASES:
         m = importlib.import_module(mod)
+        if not hasattr(m, name):
+            continue
         real[(m, name)] = getattr(m, name)
         setattr(m, name, timed(name, real[(m, name)]))
     c0, p0 = time.thread_time(), time.process_time()
@@ -160,11 +165,12 @@ def breakdown(cluster, cfg, runs: int, pause_s: float = 0.3) -> None:
             ph = o["phases"]
             add("rank: process CPU of labkit.train.run beyond run_steps", rank,
                 o["job_cpu_s"] - o["steps_cpu_s"])
-            for name, (c, w) in ph.items():
-                if name != "run_steps":
-                    add(f"  thread CPU of {name}", rank, c, w)
-            add("  thread CPU of the rest of labkit.train.run", rank,
-                o["job_thread_cpu_s"] - sum(c for c, _ in ph.values()), None)
+            inner = [n for _, n in BUILD_PHASES]
+            for name in ["build_rank"] + inner + [n for _, n in PHASES[1:]]:
+                if name in ph and name != "run_steps":
+                    add(f"  {'  ' if name in inner else ''}thread CPU of {name}", rank, *ph[name])
+            add("  thread CPU of the rest of labkit.train.run", rank, o["job_thread_cpu_s"]
+                - sum(c for n, (c, _) in ph.items() if n not in inner), None)
             add("  of which automatic garbage collections (during the steps too)", rank,
                 o["gc_during_cpu_s"])
             add("rank: garbage collection after the previous job (rank loop)", rank,
