@@ -9,12 +9,14 @@
 * a slider re-run of an unchanged composition, ``pp=2 × dp=2`` on 4 ranks (3 steps, memory
   and FLOPs measured as the explorer does): wall time of ``run`` minus the job's own steps
   (first step's start to the last step's end, over all ranks, from the trace). That rest is
-  what a re-run costs beyond training: dispatch, building the model and its wrappers,
-  reading cached FLOP counts and peaks, the metrics, sending the trace back.
+  what a re-run costs beyond training: dispatch, building the model and its wrappers
+  (a warm rank reuses its composed stages: :mod:`labkit.train.cache`), reading cached FLOP
+  counts and peaks, the metrics, sending the trace back. The ranks' resident size before
+  and after these re-runs says whether what the warm ranks keep stays bounded.
 
 Targets: hello overhead median <= 0.5 s; the composition's overhead beyond its steps
-<= 50 ms. Prints ``RESULT warm_rerun_overhead_median_s <s>`` and
-``RESULT rerun_beyond_steps_median_s <s>``.
+<= 50 ms. Prints ``RESULT warm_rerun_overhead_median_s <s>``,
+``RESULT rerun_beyond_steps_median_s <s>`` and ``RESULT rerun_rss_growth_mib <MiB>``.
 
 ``--breakdown`` then says where the composition's re-run time goes, per component, in CPU
 milliseconds (what a loaded machine disturbs least) and wall milliseconds: each rank runs
@@ -48,6 +50,13 @@ def _span(events):
     return (max(e.end for e in events) - min(e.start for e in events)) if events else 0.0
 
 
+def _rss(pids) -> list:
+    """Resident set size of each process, MiB."""
+    import psutil
+
+    return [psutil.Process(p).memory_info().rss / 2**20 for p in pids]
+
+
 def _timed(cluster, job, cfg=None):
     t0 = time.perf_counter()
     r = cluster.run(job, cfg)
@@ -59,6 +68,9 @@ PHASES = (("labkit.train", "build_rank"), ("labkit.train.pipeline", "make_execut
           ("labkit.train", "run_steps"), ("labkit.train", "_global_losses"),
           ("labkit.train", "memory_metrics"), ("labkit.train", "comm_metrics"),
           ("labkit.train", "flops_and_mfu"), ("labkit.train.pipeline", "p2p_latency"))
+#: parts of build_rank timed too (inside its time)
+BUILD_PHASES = (("labkit.train.build", "reuse_stages"), ("labkit.train.build", "_compose_stages"),
+                ("labkit.train.build", "_data_parallel"), ("labkit.train.build", "_optimizer"))
 
 
 #: CPU seconds of every garbage collection in this rank since the last phases_train read it
@@ -103,8 +115,10 @@ def phases_train(ctx, cfg) -> dict:
                     times["steps_cpu_s"] = time.process_time() - p0
         return wrapper
 
-    for mod, name in PHASES:
+    for mod, name in PHASES + BUILD_PHASES:
         m = importlib.import_module(mod)
+        if not hasattr(m, name):
+            continue
         real[(m, name)] = getattr(m, name)
         setattr(m, name, timed(name, real[(m, name)]))
     c0, p0 = time.thread_time(), time.process_time()
@@ -151,11 +165,12 @@ def breakdown(cluster, cfg, runs: int, pause_s: float = 0.3) -> None:
             ph = o["phases"]
             add("rank: process CPU of labkit.train.run beyond run_steps", rank,
                 o["job_cpu_s"] - o["steps_cpu_s"])
-            for name, (c, w) in ph.items():
-                if name != "run_steps":
-                    add(f"  thread CPU of {name}", rank, c, w)
-            add("  thread CPU of the rest of labkit.train.run", rank,
-                o["job_thread_cpu_s"] - sum(c for c, _ in ph.values()), None)
+            inner = [n for _, n in BUILD_PHASES]
+            for name in ["build_rank"] + inner + [n for _, n in PHASES[1:]]:
+                if name in ph and name != "run_steps":
+                    add(f"  {'  ' if name in inner else ''}thread CPU of {name}", rank, *ph[name])
+            add("  thread CPU of the rest of labkit.train.run", rank, o["job_thread_cpu_s"]
+                - sum(c for n, (c, _) in ph.items() if n not in inner), None)
             add("  of which automatic garbage collections (during the steps too)", rank,
                 o["gc_during_cpu_s"])
             add("rank: garbage collection after the previous job (rank loop)", rank,
@@ -205,11 +220,14 @@ def main() -> int:
             train.append((wall, max(e.duration for e in r.trace.filter(name="job"))))
         comp = RunConfig(model="tiny", steps=3, global_batch=8).replace(dp=2, pp=2)
         cluster.run(jobs.train, comp)  # first run: FLOP counts, peak, groups
+        cluster.run(jobs.train, comp)  # second: what the warm ranks keep is in place
+        rss0 = _rss(cluster.pids)
         beyond = []
         for _ in range(args.runs):
             r, wall = _timed(cluster, jobs.train, comp)
             steps = [e for e in r.trace.events if e.step >= 0]
             beyond.append((wall, _span(steps)))
+        growth = [b - a for a, b in zip(rss0, _rss(cluster.pids))]
         if args.breakdown:
             breakdown(cluster, comp, args.runs)
     finally:
@@ -235,6 +253,9 @@ def main() -> int:
     print(f"target: pp2 x dp2 re-run beyond its steps <= {1e3 * TARGET_BEYOND_S:.0f} ms -> "
           f"{'OK' if b <= TARGET_BEYOND_S else 'MISSED'}")
     print(f"RESULT rerun_beyond_steps_median_s {b:.4f}")
+    print(f"rank RSS growth over the {args.runs} re-runs (MiB): "
+          + " ".join(f"{g:+.1f}" for g in growth))
+    print(f"RESULT rerun_rss_growth_mib {max(growth):.1f}")
     return 0
 
 

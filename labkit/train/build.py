@@ -33,7 +33,6 @@ from torch import nn
 
 from ..mesh import MeshGroups
 from ..parallel.dp import DataParallel, torch_ddp, unique_parameters
-
 from .cache import fresh_model, keep_stages, reuse_stages
 
 __all__ = ["RankSetup", "build_rank"]
