@@ -7,7 +7,8 @@
    already created on every rank of the pool: :mod:`labkit.mesh`);
 2. composes the rank's model (:mod:`labkit.train.build`): pipeline split → (tensor,
    context, expert) → activation checkpointing → data parallelism / ZeRO / FSDP / HSDP →
-   AdamW;
+   AdamW; a warm rank re-running a config reuses what it composed for it, restored
+   (:mod:`labkit.train.cache`; ``metrics["reused"]`` says what);
 3. runs ``cfg.steps`` steps (:mod:`labkit.train.step`): microbatches, or pipeline flushes
    through the executor, then the gradient reductions and the optimizer — every rank's
    loss is the sum of its token losses over the global token count, every reduction a sum;

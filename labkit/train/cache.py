@@ -193,12 +193,14 @@ def _structure(stages: dict, pinned: list) -> tuple:
     every alias) its type and attributes — children, parameters and buffers by identity,
     hooks, flags, and labkit objects it holds (the zero-bubble weight-gradient store) by
     their attributes; per tensor its identity, shape, dtype, device, ``requires_grad``,
-    gradient, tensor hooks and attributes. ``pinned`` collects the objects whose ``id`` it
-    records, so no new object can take one of those ids while they are kept."""
+    gradient, tensor hooks and attributes. Objects and types appear by ``id``, so the
+    nested tuples hold only atoms and the garbage collector stops walking them; ``pinned``
+    collects those objects, so no new object can take one of their ids while they are
+    kept."""
     out = []
     for s in sorted(stages):
         for name, m in stages[s].named_modules(remove_duplicate=False):
-            out.append((s, name, type(m), _value(vars(m), pinned, 0)))
+            out.append((s, name, _kind(m, pinned), _value(vars(m), pinned, 0)))
         for name, t in list(stages[s].named_parameters(remove_duplicate=False)) + \
                 list(stages[s].named_buffers(remove_duplicate=False)):
             pinned.append(t)
@@ -209,19 +211,26 @@ def _structure(stages: dict, pinned: list) -> tuple:
     return tuple(out)
 
 
+def _kind(v, pinned: list) -> int:
+    pinned.append(type(v))
+    return id(type(v))
+
+
 def _value(v, pinned: list, depth: int):
     if isinstance(v, _PLAIN):
         return v
     if isinstance(v, (torch.Tensor, nn.Module)) or depth > 6:
         pinned.append(v)
-        return (type(v).__name__, id(v))
+        return (_kind(v, pinned), id(v))
     if isinstance(v, dict):
-        return (type(v), tuple((k, _value(x, pinned, depth + 1)) for k, x in v.items()))
+        return (_kind(v, pinned), tuple((_value(k, pinned, depth + 1), _value(x, pinned, depth + 1))
+                                        for k, x in v.items()))
     if isinstance(v, (list, tuple)):
-        return (type(v), tuple(_value(x, pinned, depth + 1) for x in v))
+        return (_kind(v, pinned), tuple(_value(x, pinned, depth + 1) for x in v))
     if isinstance(v, (set, frozenset)):
-        return (type(v), tuple(sorted((_value(x, pinned, depth + 1) for x in v), key=repr)))
+        return (_kind(v, pinned),
+                tuple(sorted((_value(x, pinned, depth + 1) for x in v), key=repr)))
     pinned.append(v)
     if type(v).__module__.startswith("labkit") and hasattr(v, "__dict__"):
-        return (type(v), id(v), _value(vars(v), pinned, depth + 1))
-    return (type(v), id(v))
+        return (_kind(v, pinned), id(v), _value(vars(v), pinned, depth + 1))
+    return (_kind(v, pinned), id(v))
