@@ -68,12 +68,13 @@ test: $(STAMP) chromium
 	@start=$$(date +%s); rc=0; \
 	echo "== pytest tests/"; \
 	$(VPY) -m pytest -q -ra --durations=25 tests || rc=$$?; \
+	echo "== pytest tests/: $$(( $$(date +%s) - start )) s, exit $$rc"; \
 	mapfile -t nbs < <(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort); \
 	if [ $${#nbs[@]} -eq 0 ]; then \
 	  echo "== nbval: no notebooks under notebooks/ yet -- skipped"; \
 	else \
 	  echo "== nbval ($(NBVAL)) on $${#nbs[@]} notebook(s)"; \
-	  $(VPY) -m pytest -q -ra $(NBVAL) --nbval-current-env \
+	  $(VPY) -m pytest -q -ra --durations=15 $(NBVAL) --nbval-current-env \
 	    --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$${nbs[@]}" || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	fi; \
 	echo "== make test: total wall time $$(( $$(date +%s) - start )) s, exit $$rc"; \
