@@ -250,6 +250,33 @@ def test_memory_by_category_mlp_adam_fp32():  # C10's 16 B/param, fp32 split 4Ψ
     assert r2.peak["gradients"] == 4 * psi
 
 
+def test_a_step_measures_the_same_bytes_whenever_the_cyclic_collector_would_run():
+    """Python's collector frees garbage in reference cycles at moments set by every
+    allocation in the process; a tracked step must not see them (this made a warm re-run's
+    snapshot differ from the cold run's by one freed tensor)."""
+    import gc
+
+    model = nn.Linear(8, 8)
+
+    def step(mark):
+        holder = [torch.ones(512)]  # 2,048 bytes kept alive only by a cycle
+        holder.append(holder)
+        del holder
+        _ = [[] for _ in range(50)]  # container allocations: what triggers a collection
+        mark("after")
+
+    old = gc.get_threshold()
+    try:
+        seen = []
+        for threshold in (1, 10**6):  # collect at once / never by itself
+            gc.set_threshold(threshold)
+            seen.append(dict(measure_memory(step, model, None, "cpu").timeline)["after"])
+    finally:
+        gc.set_threshold(*old)
+    assert seen[0] == seen[1]
+    assert seen[0]["activations"] + seen[0]["other"] >= 2048
+
+
 def test_cpu_calibration_cache_keeps_the_ceiling(tmp_path, monkeypatch):
     """A disturbed calibration reads low; a refresh replaces a low cached value, never a
     higher one (a peak is a ceiling)."""

@@ -39,6 +39,7 @@ MemTracker quirks this module works around (torch 2.13):
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from dataclasses import dataclass, field
@@ -255,13 +256,24 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    with mt:
-        mark("start")
-        if _wants_mark(step_fn):
-            step_fn(mark)
-        else:
-            step_fn()
-        mark("end")
+    # Python's cyclic collector frees garbage (autograd graphs, frames caught in cycles) at
+    # moments set by every allocation in the process, helper threads' too: left running, it
+    # would free a tensor before one snapshot in one run and after it in the next. The step
+    # runs with it paused, after a collection, so the same step measures the same bytes.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with mt:
+            mark("start")
+            if _wants_mark(step_fn):
+                step_fn(mark)
+            else:
+                step_fn()
+            mark("end")
+    finally:
+        if was_enabled:
+            gc.enable()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         allocator_peak = int(torch.cuda.max_memory_allocated(dev))

@@ -75,9 +75,8 @@ def run(ctx, cfg: RunConfig) -> dict:
 
         step = meter_untracked_steps(step, meter, cfg)
     # Garbage left by the build (a cold build allocates far more than a warm re-run) is
-    # collected now, and the collector's counters restart: its automatic collections
-    # then fall at the same allocations of the steps on a cold and a warm run, so
-    # measured peaks do not depend on what the rank ran before.
+    # collected now, not by an automatic collection inside a timed step. (The memory-tracked
+    # step pauses the collector itself: labkit.measure.memory.measure_memory.)
     gc.collect()
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
