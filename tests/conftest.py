@@ -9,6 +9,10 @@ Harness section (project set-up):
     browser_page       a fresh 1400x900 page per test; on failure a screenshot and the
                        browser console land in tests/artifacts/
 
+Notebook section:
+    cells              the stored code cells of the notebook the test module names as ``NB``
+                       (module-scoped; helpers for their outputs in tests/notebook_outputs.py)
+
 Browser tests skip when /usr/bin/chromium (or $LABKIT_CHROMIUM) is missing, except under
 CI=true, where they fail instead.  The recipe for driving JupyterLab is in
 tests/browser/test_harness.py; the helpers in tests/browser/helpers.py.

@@ -2,6 +2,8 @@
 sys.path and the cluster hands its sys.path to the ranks."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -30,6 +32,24 @@ def two_heads(ctx, cfg) -> dict:
     model(x).backward()
     model.finish_gradient_sync()
     return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+
+def error_of(ctx, cfg):
+    """Run the job ``cfg = ("module:function", its config)`` on this rank and return what it
+    raised, ``{"type": class name, "message": str}``, or ``None`` if it returned.
+
+    For errors a job raises on every rank alike before any mismatched collective (so the
+    group stays consistent, e.g. DataParallel's unused-parameter error): a test reads every
+    rank's message without the pool restart a ``RankError`` costs. A rank that did not raise
+    while another did would wait in a collective: the run's timeout then fails the test."""
+    name, job_cfg = cfg
+    module, fn = name.split(":")
+    job = getattr(importlib.import_module(module), fn)
+    try:
+        job(ctx, job_cfg)
+    except Exception as exc:  # noqa: BLE001 - handed back to the test as data
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return None
 
 
 def gradients(ctx, cfg) -> dict:

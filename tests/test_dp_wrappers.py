@@ -10,7 +10,6 @@ import pytest
 import torch
 from jobs_dp import PATTERNS, collective_sequence, dense_experts_reference, mlp_reference
 
-import labkit
 from labkit.parallel.dp.ordered import CollectiveProgram, OrderError, backward_program
 
 pytestmark = pytest.mark.distributed
@@ -308,19 +307,26 @@ def test_recomputed_module_calls_inside_the_wrapper(cluster2, wrapper, pattern):
 
 def test_zero3_refuses_multi_block_checkpoint_segments(cluster2):
     """A 2-block checkpoint segment runs block 1 inside block 0's forward, unseen by its
-    hooks: ZeRO-3 says so instead of computing with ungathered parameters."""
-    with pytest.raises(labkit.RankError, match="2-block checkpoint segment"):
-        cluster2.run("jobs_dp:gpt_checkpointed", dict(stage=3, policy="every", every=2))
+    hooks: ZeRO-3 says so on every rank, before any gather, instead of computing with
+    ungathered parameters (read with ``error_of``: no pool restart)."""
+    errors = cluster2.run("jobs_for_tests:error_of", (
+        "jobs_dp:gpt_checkpointed", dict(stage=3, policy="every", every=2))).outputs
+    assert len(errors) == 2 and all(e is not None and e["type"] == "ValueError" and
+                                    "2-block checkpoint segment" in e["message"]
+                                    for e in errors), errors
 
 
 @pytest.mark.parametrize("mode", ["ddp", "naive"])
 @pytest.mark.parametrize("pattern", ["none", "every", "mixed"])
 def test_unused_parameter_raises_under_every_pattern(cluster2, mode, pattern):
     """A parameter no microbatch used is named (not hung, not silently zero) whether the
-    microbatches were synced or not; with find_unused it gets zeros and the rest the mean."""
-    with pytest.raises(labkit.RankError, match="head_b"):
-        cluster2.run("jobs_dp:unused_pattern", dict(mode=mode, find_unused=False,
-                                                     pattern=pattern), timeout_s=60)
+    microbatches were synced or not, on every rank (read with ``error_of``: no pool
+    restart); with find_unused it gets zeros and the rest the mean."""
+    errors = cluster2.run("jobs_for_tests:error_of", (
+        "jobs_dp:unused_pattern", dict(mode=mode, find_unused=False, pattern=pattern)),
+        timeout_s=60).outputs
+    assert len(errors) == 2 and all(e is not None and e["type"] == "RuntimeError"
+                                    and "head_b" in e["message"] for e in errors), errors
     out = cluster2.run("jobs_dp:unused_pattern", dict(mode=mode, find_unused=True,
                                                       pattern=pattern), timeout_s=60).outputs
     for o in out:
