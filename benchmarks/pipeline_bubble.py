@@ -5,10 +5,12 @@ job (:func:`labkit.jobs.train` on a ``RunConfig`` with ``pp=P``, read by
 :func:`labkit.parallel.pipeline.bubble.measure_bubble`; step 0 and the memory-tracked last
 step are left out). ``simulated`` is the schedule on
 this machine: the simulator fed each stage's measured mean CPU work, the separately measured
-one-way message time per hop, the cores the ranks got while computing and the executor's
-own CPU time per action (every term measured, none fitted to the bubble); ``gap_pp`` is
-measured − simulated. Beside it: ``unit`` (the lecture's unit-cost bubble) and
-``dedicated`` (measured costs and messages on a processor per rank).
+one-way message time per hop and the executor's own CPU time per action, a processor per
+rank (every term measured, none fitted to the bubble); ``gap_pp`` is measured − simulated.
+Beside it: ``unit`` (the lecture's unit-cost bubble), ``dedicated`` (without the executor
+term), ``cores`` (the cores the ranks got while computing) and ``shared_ms`` against
+``window_ms`` (the flush time processor sharing on those cores predicts, and the measured
+one; see labkit.parallel.pipeline.bubble for why sharing is not in the bubble's rung).
 
 Per-action executor time, read from the trace: ``exec_cpu_ms`` (the executor's CPU time
 between two spans of a rank: posting messages and bookkeeping) and ``gap_ms`` (the median
@@ -56,7 +58,9 @@ def one(cluster, args, mc, name: str, m: int, run: int) -> dict:
     row = {"run": run, "schedule": name, "M": m, "measured": rep.bubble,
            "simulated": rep.predicted_bubble, "gap_pp": rep.gap_pp, "unit": rep.unit.bubble,
            "dedicated": rep.dedicated.bubble, "cores": rep.cores,
-           "exec_cpu_ms": 1e3 * rep.executor_s, "gap_ms": 1e3 * statistics.median(free),
+           "exec_cpu_ms": 1e3 * rep.executor_s, "window_ms": 1e3 * rep.window,
+           "shared_ms": 1e3 * rep.shared.makespan if rep.shared else None,
+           "gap_ms": 1e3 * statistics.median(free),
            "message_ms": 1e3 * lat, "load": (load + os.getloadavg()[0]) / 2,
            "inflight": [mt["peak_inflight"] for mt in r.metrics],
            "peak_act_MiB": [round(mt["peak_activation_bytes"] / 2**20, 2) for mt in r.metrics]}
@@ -65,6 +69,8 @@ def one(cluster, args, mc, name: str, m: int, run: int) -> dict:
           f"simulated={rep.predicted_bubble:.3f} gap_pp={rep.gap_pp:+.1f} "
           f"unit={row['unit']:.3f} dedicated={row['dedicated']:.3f} "
           f"cores={'-' if rep.cores is None else f'{rep.cores:.2f}'} "
+          f"window_ms={row['window_ms']:.1f} "
+          f"shared_ms={'-' if rep.shared is None else f'{1e3 * rep.shared.makespan:.1f}'} "
           f"exec_cpu_ms={row['exec_cpu_ms']:.3f} gap_ms={row['gap_ms']:.3f} "
           f"message_ms={row['message_ms']:.2f} hop_ms={1e3 * rep.hop_s:.2f} "
           f"dispatch_ms={1e3 * rep.dispatch_s:.2f} replayed={rep.replayed_bubble:.3f} "

@@ -4,7 +4,7 @@ Top panel: what the ranks did — every ``F``/``B``/``W``/``BW`` span of one flu
 run's trace, coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
 crossed, ``BW`` dotted), with the idle time between them drawn as grey bubbles. Bottom
 panel: the same schedule simulated on this machine — the run's measured per-stage costs,
-message time, shared cores and executor time per action
+message time and executor time per action
 (:func:`labkit.parallel.pipeline.bubble.measure_bubble`) — on the same millisecond axis.
 Without a cluster only the simulation (unit costs) is drawn. Two legends: the kinds (grey
 swatches told apart by pattern) and the microbatch colours. Labels are drawn only on bars
@@ -134,11 +134,13 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
     head = (f"<tr><th style='{td}'></th><th style='{td};text-align:right'>bubble</th>"
             f"<th style='{td}'></th><th style='{td}'>idle per rank, ms</th></tr>")
     terms = [f"message {1e3 * report.comm_s:.2f} ms/hop"]
-    if report.cores is not None:
-        terms.append(f"{report.cores:.2f} cores for {len(report.busy)} ranks")
     if report.executor_s:
         terms.append(f"executor {1e3 * report.executor_s:.2f} ms/action")
     lines = ["simulated with the measured stage costs, " + ", ".join(terms)]
+    if report.shared is not None:
+        lines.append(f"the {len(report.busy)} ranks shared {report.cores:.2f} cores: a flush "
+                     f"took {1e3 * report.window:.1f} ms ({1e3 * report.shared.makespan:.1f} "
+                     "ms with processor sharing), stretched spans count as busy")
     if metrics:
         mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in metrics)
         lines.append(f"peak activations per rank: {mem}; stage-microbatches in flight "
