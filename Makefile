@@ -40,7 +40,14 @@ $(STAMP): pyproject.toml constraints.txt | $(VPY)
 	@touch $@
 
 # ---------------------------------------------------------------- lab
-lab: $(STAMP)
+# JupyterLab's defaults for this environment only: no "receive official news?" prompt
+# and no update check (the lab's machines may have no internet).
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_OVERRIDES): | $(STAMP)
+	@mkdir -p $(@D)
+	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > $@
+
+lab: $(STAMP) $(LAB_OVERRIDES)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks $(ALLOW_ROOT)
 
 # ---------------------------------------------------------------- test
