@@ -82,7 +82,7 @@ test: $(STAMP) chromium
 	else \
 	  echo "== nbval ($(NBVAL)) on $${#nbs[@]} notebook(s)"; \
 	  $(VPY) -m pytest -q -ra --durations=15 $(NBVAL) --nbval-current-env \
-	    --nbval-sanitize-with notebooks/nbval_sanitize.cfg "$${nbs[@]}" || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg "$${nbs[@]}" || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	fi; \
 	echo "== make test: total wall time $$(( $$(date +%s) - start )) s, exit $$rc"; \
 	exit $$rc
