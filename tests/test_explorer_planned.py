@@ -161,3 +161,12 @@ def test_the_tours_question_has_the_answer_its_prose_implies():
         if z == 0:
             assert panel.numbers["memory"]["total"] > 2 * 80 * GiB
     assert fits == {0: False, 1: False, 2: True, 3: True}
+
+
+def test_one_legend_names_each_colour_once():
+    """Memory categories and step-time parts share the panel's legend: no colour may mean
+    two things (a step-time bar once had the parameters' blue)."""
+    from labkit_widgets.explorer_planned import planned_figure
+
+    colours = [t.marker.color for t in planned_figure().data]
+    assert len(colours) == len(set(colours)), colours

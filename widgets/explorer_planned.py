@@ -30,7 +30,8 @@ __all__ = ["PlannedPanel", "planned_figure", "draw_planned", "step_parts", "STEP
 
 #: the step time's parts, stacked: they add up to the planner's step time
 STEP_PARTS = ("pipeline busy", "bubble", "exposed DP", "network-bound", "optimizer step")
-_STEP_COLORS = ("#4C78A8", "#BAB0AC", "#B279A2", "#17BECF", "#54A24B")
+#: none of them a memory category's colour: the two stacks share one legend
+_STEP_COLORS = ("#1B9E77", "#E6C229", "#B279A2", "#17BECF", "#6F4E37")
 _MEM_COLORS = {**S.MEMORY_COLORS, "comm_buffers": S.MEMORY_COLORS["other"]}
 
 
