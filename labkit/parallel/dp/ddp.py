@@ -103,6 +103,28 @@ class _Bucket:
             same_stamp(s, p.grad) for s, (_, p) in zip(self.stamps, self.params))
 
 
+def _broadcast_parameters(params: list, src: int, group, axis: str) -> None:
+    """Copy every parameter from global rank ``src`` to the group in one broadcast per
+    dtype and device (a flat buffer, as torch DDP's ``_sync_module_states`` coalesces):
+    on a warm pool a slider's re-run pays one collective's latency, not one per tensor.
+    Bytes: the parameters' bytes per hop, as per-tensor broadcasts would send."""
+    by_kind: dict = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    me = torch.distributed.get_rank()
+    with torch.no_grad():
+        for ps in by_kind.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            comm.broadcast(flat, src, group, axis=axis)
+            if me == src:
+                continue
+            offset = 0
+            for p in ps:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+
 class DataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training over ``group``.
 
@@ -143,10 +165,8 @@ class DataParallel(nn.Module):
         self.world = comm.group_size(group)
         self.require_sync = True
         self.params = [(n, p) for n, p in unique_parameters(module) if id(p) not in ignored]
-        src = comm.group_ranks(group)[0]
-        with torch.no_grad():
-            for _, p in self.params:
-                comm.broadcast(p.data, src, group, axis=axis)
+        _broadcast_parameters([p for _, p in self.params], comm.group_ranks(group)[0], group,
+                              axis)
         self.buckets: list[_Bucket] = []
         self._round: Optional[CollectiveProgram] = None
         self._synced: Optional[list] = None
