@@ -46,6 +46,144 @@ def test_bad_input():
         MeshView(big, "tp")
 
 
+# --------------------------------------------------------------------------- interactive grid
+import re  # noqa: E402
+import xml.etree.ElementTree as ET  # noqa: E402
+
+from labkit_widgets import mesh_svg  # noqa: E402
+from labkit_widgets.mesh_view import _PALETTE  # noqa: E402
+
+AX4 = ("tp", "cp", "pp", "dp")   # [TP, CP, PP, DP] (claim C36)
+
+HOVER = [(Mesh(pp=2, dp_replicate=2, dp_shard=1, cp=1, tp=2), 4),
+         (Mesh(pp=2, dp_replicate=2, dp_shard=1, cp=2, tp=2), 8),
+         (Mesh(pp=3, dp_shard=2, cp=1, tp=1), 4),        # a last server only half full
+         (Mesh(pp=1, dp_replicate=2, dp_shard=2, cp=3, tp=2), 5)]
+HOVER_IDS = ["x".join(map(str, m.shape)) + f"-gps{w}" for m, w in HOVER]
+
+
+def _ranks(root) -> dict:
+    """``{rank: <g>}`` of every rank element of the grid."""
+    gs = [g for g in root.iter("{http://www.w3.org/2000/svg}g")
+          if "rank" in g.get("class", "").split()]
+    out = {int(g.get("data-rank")): g for g in gs}
+    assert len(out) == len(gs), "a rank drawn twice"
+    return out
+
+
+def _css(html_text: str) -> str:
+    return re.search(r"<style>(.*?)</style>", html_text, re.S).group(1)
+
+
+@pytest.mark.parametrize("mesh,gps", HOVER, ids=HOVER_IDS)
+@pytest.mark.parametrize("axis", AX4)
+def test_grid_draws_each_rank_once_in_its_slot_with_its_group_on_every_axis(mesh, gps, axis):
+    root = ET.fromstring(MeshView(mesh, axis, gps).html(uid="lk-test"))
+    assert (root.get("id"), root.get("data-axis")) == ("lk-test", axis)
+    ranks = _ranks(root)
+    assert sorted(ranks) == list(range(mesh.size))
+    svg = "{http://www.w3.org/2000/svg}"
+    members = {}                                     # (axis, group index) -> ranks
+    for r, g in ranks.items():
+        rect = g.find(f"{svg}rect")
+        assert (int(rect.get("x")), int(rect.get("y"))) == (
+            mesh_svg.LEFT + (r % gps) * mesh_svg.PITCH, mesh_svg.TOP + (r // gps) * mesh_svg.ROW)
+        assert g.find(f"{svg}text").text == str(r)
+        classes = g.get("class").split()
+        for a in AX4:
+            mine = [c for c in classes if c.startswith(f"g-{a}-")]
+            assert len(mine) == 1, (r, a, classes)
+            members.setdefault((a, int(mine[0].rsplit("-", 1)[1])), []).append(r)
+        title = g.find(f"{svg}title").text
+        coords = [mesh.index(r, a) for a in AX4]
+        assert title.startswith(f"rank {r}, [TP, CP, PP, DP] = {coords}\n"), title
+        for a in AX4:
+            i = mesh.groups(a).index(mesh.group(r, a))
+            assert f"\n{a} group {i}: {list(mesh.group(r, a))}" in title
+        i = mesh.groups(axis).index(mesh.group(r, axis))
+        assert rect.get("fill") == _PALETTE[i % len(_PALETTE)]
+    for a in AX4:   # class g-<a>-<i> is carried by exactly the ranks of mesh.groups(a)[i]
+        assert {i: tuple(rs) for (b, i), rs in members.items() if b == a} == \
+            dict(enumerate(mesh.groups(a))), a
+    servers = [e for e in root.iter(f"{svg}rect") if e.get("class") == "server"]
+    assert len(servers) == -(-mesh.size // gps)
+    for s, e in enumerate(servers):   # each outline holds exactly its server's squares
+        x0, y0 = float(e.get("x")), float(e.get("y"))
+        x1, y1 = x0 + float(e.get("width")), y0 + float(e.get("height"))
+        inside = {r for r, g in ranks.items()
+                  if x0 <= float(g.find(f"{svg}rect").get("x")) <= x1 - mesh_svg.CELL
+                  and y0 <= float(g.find(f"{svg}rect").get("y")) <= y1 - mesh_svg.CELL}
+        assert inside == set(range(s * gps, min((s + 1) * gps, mesh.size))), s
+        k = len(inside)                  # and reaches no empty slot of a last, partial server
+        assert x1 < mesh_svg.LEFT + k * mesh_svg.PITCH and y1 < y0 + mesh_svg.ROW, s
+
+
+@pytest.mark.parametrize("mesh,gps", HOVER, ids=HOVER_IDS)
+def test_css_has_one_scoped_hover_rule_per_group_of_each_axis(mesh, gps):
+    css = _css(MeshView(mesh, "tp", gps).html(uid="lk-a1"))
+    rules = [r.strip() for r in css.split("}") if r.strip()]
+    assert all(r.startswith("#lk-a1") for r in rules), "a selector outside the view's scope"
+    hover = re.compile(r'^#lk-a1\[data-axis="(\w+)"\]:has\(\.g-(\w+)-(\d+):hover\) '
+                       r'\.g-(\w+)-(\d+) \{(.*)$', re.S)
+    found = {a: [] for a in AX4}
+    for r in rules:
+        m = hover.match(r)
+        if m:
+            a, b, i, c, j, body = m.groups()
+            assert a == b == c and i == j, r
+            assert "stroke-width: 3px" in body and "opacity: 1" in body, r
+            found[a].append(int(i))
+    for a in AX4:
+        assert found[a] == list(range(len(mesh.groups(a)))), a
+    assert "#lk-a1:has(.rank:hover) .rank { opacity: 0.35;" in rules   # the others fade
+
+
+def test_toggle_changes_the_axis_and_the_colours_only():
+    mesh = Mesh(pp=2, dp_replicate=2, dp_shard=1, cp=1, tp=2)
+    view = MeshView(mesh, "tp", gpus_per_server=4)
+    box = view.widget()
+    toggle, grid = box.children
+    assert list(toggle.options) == list(AX4) and toggle.value == "tp"
+    before = ET.fromstring(grid.value)
+    uid = before.get("id")
+    assert uid.startswith("lk-mesh-") and before.get("data-axis") == "tp"
+    for axis in ("pp", "dp", "cp", "tp"):
+        toggle.value = axis
+        after = ET.fromstring(grid.value)
+        assert (after.get("id"), after.get("data-axis")) == (uid, axis)
+        index = {r: i for i, g in enumerate(mesh.groups(axis)) for r in g}
+        fills = {r: g.find("{http://www.w3.org/2000/svg}rect").get("fill")
+                 for r, g in _ranks(after).items()}
+        assert fills == {r: _PALETTE[i % len(_PALETTE)] for r, i in index.items()}, axis
+        assert grid.value == view.html(axis, uid)   # the same markup but axis and colours
+        assert _css(grid.value) == _css(view.html("tp", uid))
+    assert (view.axis, view.groups) == ("tp", mesh.groups("tp"))   # the figure's axis stays
+    other = ET.fromstring(view.widget().children[1].value).get("id")
+    assert other != uid                                              # two views, two scopes
+
+
+def test_caption_names_the_activation_axis_and_the_server_boundary():
+    mesh = Mesh(pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=8)
+    cap = {a: ET.fromstring(MeshView(mesh, a).html(uid="u")).find("div").itertext()
+           for a in AX4}
+    cap = {a: "".join(t) for a, t in cap.items()}
+    assert "TP splits the activation along its channels (claim C7); every tp group stays " \
+           "inside one server" in cap["tp"]
+    assert "PP splits the activation along its layers (claim C7); every pp group crosses a " \
+           "server boundary" in cap["pp"]
+    assert "cp = 1: the activation is not split along its sequence" in cap["cp"]
+    odd = MeshView(Mesh(dp_replicate=4, tp=3), "tp", gpus_per_server=4).html(uid="u")
+    assert "2 of 4 tp groups cross a server boundary" in odd    # (3,4,5) and (6,7,8)
+
+
+def test_grid_bad_input():
+    view = MeshView(Mesh(pp=1, dp_replicate=2, dp_shard=1, cp=1, tp=2), "tp")
+    with pytest.raises(ValueError, match="axis must be one of pp, dp, cp, tp, got 'ep'"):
+        view.html("ep")
+    with pytest.raises(ValueError, match="uid must be a CSS identifier"):
+        view.html("tp", uid='x"><script>')
+
+
 # --------------------------------------------------------------------------- planned layouts
 import math  # noqa: E402
 
@@ -54,7 +192,6 @@ from labkit.plan.layout import layout_from_mesh  # noqa: E402
 from labkit_widgets.mesh_planned import PlannedMeshView, pick  # noqa: E402
 from labkit_widgets.mesh_summary import summarize_layout  # noqa: E402
 
-AX4 = ("tp", "cp", "pp", "dp")
 SMALL = [Mesh(pp=2, dp_shard=2, cp=2, tp=2), Mesh(pp=2, dp_replicate=2, dp_shard=2, tp=4),
          Mesh(pp=4, tp=2, cp=3), Mesh(pp=3, dp_shard=2, tp=1, cp=2)]
 

@@ -1,11 +1,23 @@
 """MeshView: the ranks of a :class:`labkit.mesh.Mesh` as a grid, one row per server, each
-rank coloured by its group along one axis (claims C7, C36).
+rank coloured by its group along one axis (claims C7, C36), and on hover the group of any
+axis highlighted.
 
 Ranks are numbered with TP innermost (``pp, dp_replicate, dp_shard, cp, tp`` outer to inner),
 so a server of ``gpus_per_server`` consecutive ranks holds whole tensor-parallel groups when
 ``tp`` divides it: TP stays inside the server, the other axes cross servers (claim C34).
 Hovering a rank shows its ``[TP, CP, PP, DP]`` coordinates (Llama 3's order, Dubey et al.
 2024 §3.3.2) and the ranks of its group.
+
+Two drawings of the same grid:
+
+* :attr:`MeshView.figure`, a static plotly figure for one axis (its hover text lists the
+  group's ranks);
+* :meth:`MeshView.widget`, the interactive view: toggle buttons choose the axis (tp, cp, pp
+  or dp) and an ``ipywidgets.HTML`` holds an inline SVG (:mod:`labkit_widgets.mesh_svg`)
+  whose CSS outlines, while the mouse is over a rank, every member of its group along the
+  chosen axis. The highlight is CSS ``:has()`` evaluated by the browser, so hovering costs
+  no kernel round trip; only the toggle asks the kernel (it re-renders the HTML with the
+  new axis's colours).
 
 A planned cluster-scale layout (a :class:`labkit.plan.layout.Layout`, thousands of GPUs) is
 drawn summarised by :meth:`MeshView.planned`, a
@@ -49,6 +61,9 @@ class MeshView:
         groups: the ``axis`` groups (tuples of ranks), one trace each, in trace order.
         figure: the plotly figure: one scatter trace per group, one rectangle per server.
 
+    :meth:`widget` is the interactive view (any axis's groups highlighted on hover);
+    :meth:`html` its markup for one axis.
+
     Raises:
         ValueError: an unknown axis, ``gpus_per_server < 1``, or a mesh over
             :data:`MAX_RANKS` ranks (naming the numbers).
@@ -76,6 +91,49 @@ class MeshView:
         from .mesh_planned import PlannedMeshView
 
         return PlannedMeshView(layout, cluster, axis, **kwargs)
+
+    def html(self, axis: str | None = None, uid: str | None = None) -> str:
+        """The interactive grid's HTML for ``axis`` (default: the view's): a ``<style>`` block,
+        a caption (the activation axis that ``axis`` splits, claim C7, and whether its groups
+        stay inside a server, claim C34) and an inline SVG of one square per rank, placed at
+        :meth:`position`, with classes naming its group on every axis (see
+        :mod:`labkit_widgets.mesh_svg`). ``uid`` is the id its CSS is scoped under (default:
+        a fresh random one).
+
+        Raises:
+            ValueError: an unknown axis, or a ``uid`` that is not a CSS identifier.
+        """
+        from .mesh_svg import mesh_html, new_uid
+
+        return mesh_html(self.mesh, self.axis if axis is None else axis, self.width,
+                         new_uid() if uid is None else uid)
+
+    def widget(self):
+        """The interactive view: an ``ipywidgets.VBox`` of a ``ToggleButtons`` ("highlight
+        groups of": tp, cp, pp, dp; starts at the view's axis) and an ``ipywidgets.HTML``
+        holding :meth:`html` for the selected axis. Hovering a rank outlines every member of
+        its group along that axis and fades the other ranks, in the browser alone; its
+        tooltip gives its ``[TP, CP, PP, DP]`` coordinates and its group along each axis.
+        Each call makes an independent box with its own CSS scope. :attr:`figure` and
+        :attr:`groups` keep the axis given at construction."""
+        import ipywidgets as W
+
+        from .mesh_svg import AXES4, new_uid
+
+        uid = new_uid()
+        toggle = W.ToggleButtons(options=list(AXES4), value=self.axis,
+                                 description="highlight groups of:",
+                                 tooltip="the axis whose groups are coloured and outlined",
+                                 tooltips=[f"{a.upper()} splits the {AXIS_ROLE[a]}"
+                                           for a in AXES4],
+                                 style={"description_width": "initial",
+                                        "button_width": "56px"})
+        grid = W.HTML(self.html(self.axis, uid))
+        toggle.observe(lambda change: setattr(grid, "value", self.html(change["new"], uid)),
+                       "value")
+        box = W.VBox([toggle, grid])
+        box.add_class("lk-mesh-view")
+        return box
 
     def position(self, rank: int) -> tuple:
         """``(column, row)`` of ``rank``: its slot in its server, and the server."""
