@@ -69,16 +69,22 @@ def _bar_height_px(page) -> float:
     return abs(y0 - y1)
 
 
-@pytest.fixture(scope="module")
-def selfcheck_server(start_jupyter, tmp_path_factory):
-    root = tmp_path_factory.mktemp("selfcheck-notebooks")
+def _server_with(start_jupyter, tmp_path_factory, name: str, cells: list):
+    """A JupyterLab server whose root holds one notebook ``name`` made of ``cells``."""
+    root = tmp_path_factory.mktemp(name.split(".")[0] + "-notebooks")
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                  "language": "python"}
-    nb.cells = [nbformat.v4.new_markdown_cell("# browser harness self-check"),
-                nbformat.v4.new_code_cell(CELL)]
-    nbformat.write(nb, root / "selfcheck.ipynb")
+    nb.cells = cells
+    nbformat.write(nb, root / name)
     return start_jupyter(root)
+
+
+@pytest.fixture(scope="module")
+def selfcheck_server(start_jupyter, tmp_path_factory):
+    return _server_with(start_jupyter, tmp_path_factory, "selfcheck.ipynb",
+                        [nbformat.v4.new_markdown_cell("# browser harness self-check"),
+                         nbformat.v4.new_code_cell(CELL)])
 
 
 def test_slider_drives_a_live_figure(selfcheck_server, browser_page, artifacts_dir):
@@ -133,13 +139,8 @@ _JS_BARS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map
 
 @pytest.fixture(scope="module")
 def busy_server(start_jupyter, tmp_path_factory):
-    root = tmp_path_factory.mktemp("busy-notebooks")
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                 "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(BUSY_CELL)]
-    nbformat.write(nb, root / "busy.ipynb")
-    return start_jupyter(root)
+    return _server_with(start_jupyter, tmp_path_factory, "busy.ipynb",
+                        [nbformat.v4.new_code_cell(BUSY_CELL)])
 
 
 @pytest.mark.timeout(600)
