@@ -124,3 +124,18 @@ def test_notebook_leaves_its_cluster_warm(nb_path):
     assert code and not re.search(r"\.close\(\)\s*$", code[-1]), (
         f"{nb_path.name} ends with {code[-1]!r}: the first widget click after Run All would "
         "pay a cold start; kernel shutdown stops the ranks anyway")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_notebook_opens_unmodified(path):
+    """JupyterLab writes the kernel's spec and language into a notebook's metadata when its
+    kernel starts; a notebook stored with others opens with unsaved changes (the browser
+    test tests/browser/test_notebooks_open_clean.py watches the tab)."""
+    from jupyter_client.kernelspec import get_kernel_spec
+
+    spec = get_kernel_spec("python3")
+    meta = nbformat.read(path, as_version=4).metadata
+    assert meta.kernelspec == {"display_name": spec.display_name, "language": spec.language,
+                               "name": "python3"}
+    assert meta.language_info.name == "python"
+    assert meta.language_info.pygments_lexer == "ipython3"
