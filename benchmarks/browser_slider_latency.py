@@ -7,7 +7,7 @@ slider's handle one option along and lets go. A move's latency runs from the poi
 release (``pointerup``, page clock) to the last change of any of the explorer's plots (a
 new plot element or new drawn data, polled in the page every 10 ms); the move is over
 when the history table has its row and the plots have not changed for 2 s. Also printed:
-the kernel's own latency for the move (the status line: change → figures updated).
+the kernel's own latency for the move (the status line: change → figures sent).
 
 Six moves (dp 4 → 2 → 1, pp 1 → 2 → 1, dp 1 → 2 → 4) make a pass; a warm-up pass first
 (each shape's first run counts FLOPs), then ``--passes`` timed passes (default 2: a dozen
@@ -115,7 +115,7 @@ def _move(page, label: str, by: int, settle_s: float = 2.0, timeout_s: float = 3
         page.wait_for_timeout(100)
     wait_idle(page, timeout_s)
     status = _status(page)
-    m = re.search(r"figures updated ([0-9.]+) s after the change", status)
+    m = re.search(r"figures sent ([0-9.]+) s after the kernel got the change", status)
     return {"move": f"{label} {before}→{slider_value(page, label)}",
             "browser_s": (change - release) / 1e3,
             "kernel_s": float(m.group(1)) if m else float("nan")}

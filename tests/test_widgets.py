@@ -405,7 +405,7 @@ def test_a_rerun_sends_each_changed_figure_once():
     assert busy == [(True, True), (True, True)] and not ex.controls["dp"].disabled
     assert fake.configs[-1].parallel.dp == 2 and len(ex.history) == 2
     assert ex.figures["mfu"].data[0].value == pytest.approx(ex.history[-1]["mfu_pct"])
-    assert ex.last_latency_s > 0 and "figures updated" in _plain(ex.status.value)
+    assert ex.last_latency_s > 0 and "figures sent" in _plain(ex.status.value)
 
 
 def _shown(fig) -> dict:

@@ -83,7 +83,8 @@ class Explorer(W.VBox):
         last_result: the latest ``RunResult``; ``last_metrics`` the per-rank metrics the
             figures show (memory possibly from an earlier run of the same configuration);
             ``last_error`` the latest exception or ``None``; ``last_latency_s`` seconds
-            from the change to the figures holding the new values.
+            from the kernel receiving the change to the figures' new values sent to the
+            page (the browser's drawing comes after: benchmarks/browser_slider_latency.py).
     """
 
     def __init__(self, cluster, base_config: Optional[RunConfig] = None, *, job=None,
@@ -299,7 +300,8 @@ class Explorer(W.VBox):
         self._notes = []
         self.status.value = S.status_html(
             f"{F.layout_string(cfg)}: ran {result.wall_s:.2f} s on the cluster, figures "
-            f"updated {self.last_latency_s:.2f} s after the change"
+            f"sent {self.last_latency_s:.2f} s after the kernel got the change (the page "
+            "draws them next)"
             + "".join(f"; {n}" for n in notes), "ok")
         return result
 
