@@ -309,15 +309,15 @@ def unavailable_html(avail: dict, cfg: RunConfig, world_size: int) -> str:
         groups: dict = {}
         for v, why in a["refused"].items():
             groups.setdefault(_strip(why, knob.name, v), []).append(label(v))
-        lines.append("<div>" + " · ".join(
-            f"<b>{knob.name}={', '.join(vs)}</b>: {html.escape(why)}"
-            for why, vs in groups.items()) + "</div>")
-    greyed = [f"<b>{k.name}</b> ({html.escape(no_effect_reason(cfg, k.name, world_size))})"
+        lines += [f"<li><b>{knob.name}={', '.join(vs)}</b>: {html.escape(why)}</li>"
+                  for why, vs in groups.items()]
+    greyed = [f"<li><b>{k.name}</b> greyed: "
+              f"{html.escape(no_effect_reason(cfg, k.name, world_size))}</li>"
               for k in KNOBS if not avail[k.name]["applies"]]
-    if greyed:
-        lines.append(f"<div>no effect now (greyed): {'; '.join(greyed)}</div>")
-    if not lines:
+    if not lines + greyed:
         return ""
+    # one reason per line, the refused values first, then the knobs with no effect
     return ("<details open class='labkit-unavailable' style='font-size:11px;color:#555;"
-            "max-height:9em;overflow-y:auto;line-height:1.35'><summary>unavailable now, in "
-            "validate's words</summary>" + "".join(lines) + "</details>")
+            "max-height:10em;overflow-y:auto;line-height:1.35'><summary>unavailable now, in "
+            "validate's words</summary><ul style='margin:2px 0;padding-left:18px'>"
+            + "".join(lines + greyed) + "</ul></details>")
