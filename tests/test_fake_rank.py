@@ -158,6 +158,34 @@ def test_a_model_is_built_in_part_only_where_no_weight_has_a_value():
         part(torch.zeros(1, 4, dtype=torch.long, device="meta"))
 
 
+def test_unsafe_view_is_answered_as_torchs_fake_mode_does_from_its_cache():
+    """labkit's fake mode serves ``aten._unsafe_view`` (a linear layer's 3-D output, 2,048
+    times in a 405B rank's step) as ``aten.view``, which torch's fake-tensor cache serves
+    (torch bypasses its cache for ``_unsafe_view``; both run the same fake kernel): the
+    same shape, strides and offset, and the storage of its input, as on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.measure.fake_rank import _fake_mode
+
+    def unsafe_view(mode):
+        with mode:
+            x = torch.empty(6, 4, requires_grad=True) @ torch.empty(4, 8)
+            y = torch.ops.aten._unsafe_view.default(x, [2, 3, 8])
+            return x, y
+
+    bypassed = FakeTensorMode.cache_info().bypasses.get("unsafe view", 0)
+    x, y = unsafe_view(_fake_mode())
+    assert FakeTensorMode.cache_info().bypasses.get("unsafe view", 0) == bypassed
+    x0, y0 = unsafe_view(FakeTensorMode())
+    real = torch.empty(6, 8)
+    assert torch.ops.aten._unsafe_view.default(real, [2, 3, 8]).data_ptr() == real.data_ptr()
+    for got, want in ((y, y0), (x, x0)):
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.requires_grad) \
+            == (want.shape, want.stride(), want.storage_offset(), want.dtype, want.requires_grad)
+    assert y.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert y0.untyped_storage()._cdata == x0.untyped_storage()._cdata
+
+
 @pytest.mark.parametrize("name,tp,sp", [("tiny", 1, False), ("small", 2, True),
                                         ("llama3-8b", 8, True), ("llama3-405b", 8, False)])
 def test_labkit_block_count_is_the_tensor_parallel_formula(name, tp, sp):

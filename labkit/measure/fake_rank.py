@@ -73,13 +73,18 @@ CATEGORIES_COMPARED = ("parameters", "gradients", "optimizer", "activations")
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _DEVICE = torch.ops.prim.device.default
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 
 
 def _fake_mode():
     """torch's ``FakeTensorMode`` that also answers every data-dependent scalar read
     (``.item()``, ``bool(t)``) with 1 or False (fake tensors hold no values), and a fake
     tensor's device query (asked from C++ at every autograd step) before its dispatch
-    machinery: one Python mode per operator instead of two."""
+    machinery: one Python mode per operator instead of two.
+
+    ``aten._unsafe_view`` (a linear layer's 3-D output) is answered as ``aten.view``:
+    torch runs the same fake kernel for both (the input's storage, reshaped), but bypasses
+    its fake-tensor cache for ``_unsafe_view``, which then cost ~3x a cached operator."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     class _FakeWithScalars(FakeTensorMode):
@@ -93,6 +98,8 @@ def _fake_mode():
                 if t.dtype == torch.bool:
                     return False
                 return 1.0 if t.is_floating_point() else 1
+            elif func is _UNSAFE_VIEW:
+                func = _VIEW
             return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     return _FakeWithScalars(allow_non_fake_inputs=True)
