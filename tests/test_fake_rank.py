@@ -4,6 +4,10 @@
 * On a shard small enough to run for real, the fake measurement of every rank equals the
   real 4-rank job's tracked memory byte for byte (peak by category, model state, the marks
   up to the first forward): the same code allocated the same tensors.
+* A pipeline rank measured under fake tensors builds only the blocks its stages keep; its
+  bytes (peak, model state, timeline, activations by role) and parameter counts equal those
+  of the same rank building the whole model first, as a real rank does; a model is built in
+  part only where no weight has a value.
 * At cluster scale (Llama 3 405B, TP8 x PP16 x DP128 = 16,384 ranks, the 126 layers as 7,
   8, ..., 8, 7; ZeRO-1, bf16, sequence parallelism, full recomputation, 16 microbatches),
   pipeline rank 1 — the rank the planner finds fullest — is measured. Its model state equals
@@ -21,12 +25,17 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 from jobs_fake_rank import read_corpus
 
 from labkit import jobs
 from labkit.config import ModelConfig, ParallelConfig, RunConfig, preset
 from labkit.measure.fake_rank import compare, fake_rank_memory, planned_rank_memory
+from labkit.models import build_model, count_params
+from labkit.models.gpt import GPT, Block, NotBuilt
 
 TINY = dict(model="tiny", steps=1, global_batch=8, count_flops=False, measure_memory=True,
             precision="bf16", timeout_s=240)
@@ -101,6 +110,80 @@ def test_first_stage_activations_by_role_equal_labkits_terms(rank):
     assert sum(role.values()) == fake["activations"]["peak"]
     assert sum(fake["activations"]["at_total_peak"].values()) == \
         fake["memory"]["peak"]["activations"]
+
+
+#: two stages per pipeline rank (interleaved 1F1B), 7 layers split 1, 2, 2, 2: pipeline
+#: rank 0 holds stages 0 and 2 (the embedding; layers 0, 3, 4), rank 1 stages 1 and 3
+#: (layers 1, 2, 5, 6; the final norm and head)
+INTERLEAVED = SMALL.replace(model=replace(SMALL.model_config, n_layers=7),
+                            schedule="interleaved", virtual_stages=2)
+
+
+@pytest.mark.parametrize("rank,stages,layers", [(0, [0, 2], 3), (7, [1, 3], 4)])
+def test_building_only_the_stage_layers_measures_what_the_whole_model_does(
+        monkeypatch, rank, stages, layers):
+    """The fake path builds only the blocks this rank's stages keep (the whole model's
+    other blocks would cost time only); the bytes — peak, model state and timeline by
+    category, activations by role — and the parameter counts are those of a rank that
+    builds the whole model first, as a real rank does."""
+    built = []
+    init = Block.__init__
+
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Block, "__init__", counted)
+    part = fake_rank_memory(INTERLEAVED, rank)
+    n_part = len(built)
+    whole = fake_rank_memory(INTERLEAVED, rank, stage_layers_only=False)
+    assert part["stages"] == whole["stages"] == stages
+    assert n_part == layers and len(built) - n_part == 7
+    for key in ("memory", "activations", "coords", "n_params", "rank_params"):
+        assert part[key] == whole[key], key
+    assert part["n_params"] == count_params(INTERLEAVED.model_config)
+
+
+def test_a_model_is_built_in_part_only_where_no_weight_has_a_value():
+    mc = replace(preset("tiny"), n_layers=3)
+    with pytest.raises(ValueError, match="only fake or meta tensors"):
+        GPT(mc, layers=[1])
+    with pytest.raises(ValueError, match=r"layers must be in 0\.\.2 \(n_layers 3\), got \[3\]"):
+        GPT(mc, device="meta", layers=[1, 3])
+    with pytest.raises(ValueError, match="only a GPT"):
+        build_model(preset("vit-digits"), device="meta", layers=[0])
+    part = GPT(mc, device="meta", layers=[1])
+    assert [type(b) for b in part.layers] == [NotBuilt, Block, NotBuilt]
+    with pytest.raises(RuntimeError, match="block 0 was not built"):
+        part(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+
+
+def test_unsafe_view_is_answered_as_torchs_fake_mode_does_from_its_cache():
+    """labkit's fake mode serves ``aten._unsafe_view`` (a linear layer's 3-D output, 2,048
+    times in a 405B rank's step) as ``aten.view``, which torch's fake-tensor cache serves
+    (torch bypasses its cache for ``_unsafe_view``; both run the same fake kernel): the
+    same shape, strides and offset, and the storage of its input, as on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from labkit.measure.fake_rank import _fake_mode
+
+    def unsafe_view(mode):
+        with mode:
+            x = torch.empty(6, 4, requires_grad=True) @ torch.empty(4, 8)
+            y = torch.ops.aten._unsafe_view.default(x, [2, 3, 8])
+            return x, y
+
+    bypassed = FakeTensorMode.cache_info().bypasses.get("unsafe view", 0)
+    x, y = unsafe_view(_fake_mode())
+    assert FakeTensorMode.cache_info().bypasses.get("unsafe view", 0) == bypassed
+    x0, y0 = unsafe_view(FakeTensorMode())
+    real = torch.empty(6, 8)
+    assert torch.ops.aten._unsafe_view.default(real, [2, 3, 8]).data_ptr() == real.data_ptr()
+    for got, want in ((y, y0), (x, x0)):
+        assert (got.shape, got.stride(), got.storage_offset(), got.dtype, got.requires_grad) \
+            == (want.shape, want.stride(), want.storage_offset(), want.dtype, want.requires_grad)
+    assert y.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert y0.untyped_storage()._cdata == x0.untyped_storage()._cdata
 
 
 @pytest.mark.parametrize("name,tp,sp", [("tiny", 1, False), ("small", 2, True),

@@ -5,8 +5,10 @@ split, tensor/sequence parallelism, checkpointing, ZeRO flat units, AdamW) for o
 ``RunConfig`` whose world may be thousands of ranks, under two stand-ins from torch:
 
 * **fake tensors** (``torch._subclasses.fake_tensor.FakeTensorMode``): every tensor has its
-  real shape, dtype and lifetime but no storage, so building Llama 3 405B's whole model and
-  running a step costs metadata only;
+  real shape, dtype and lifetime but no storage, so building a rank's stages of Llama 3 405B
+  and running a step costs metadata only. With a pipeline the rank builds only the blocks
+  its stages keep (and the embedding, final norm and head), where a real rank builds the
+  whole model from the seed: no weight has a value here, and the bytes are the same;
 * **a fake process group** (torch's ``"fake"`` backend with ``FakeStore``, from
   ``torch.testing._internal.distributed.fake_pg``): ``init_process_group`` with this rank's
   number and the layout's world size, groups created on demand for this rank's axes only.
@@ -45,7 +47,9 @@ and, not modelled, 3 receive buffers (a gradient in use, two posted ahead: 0.094
 the first microbatch's received input, which torch's tracker keeps after its backward
 (0.031 GiB). Planned with labkit's terms 5.590 GiB (-2.2 %); Megatron-LM's accounting 4.348
 GiB (-24 %). Rank 0 (7 layers, 16 in flight): 5.441 GiB measured, 5.344 planned (-1.8 %).
-44-64 s of CPU per rank on the shared 2-core machine.
+30-42 s of CPU per rank on the shared 2-core machine (load 1-10), nearly all of it the
+tracked step: torch's fake-tensor dispatch (~45 %) under the memory trackers, autograd and
+recomputation; building the stage's 8 blocks costs 0.05 s, the whole model's 126 took 0.8.
 
 Only one process group can exist per process: the fake one is created and destroyed here,
 and :func:`fake_rank_memory` refuses to run where ``torch.distributed`` is already
@@ -69,13 +73,18 @@ CATEGORIES_COMPARED = ("parameters", "gradients", "optimizer", "activations")
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _DEVICE = torch.ops.prim.device.default
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 
 
 def _fake_mode():
     """torch's ``FakeTensorMode`` that also answers every data-dependent scalar read
     (``.item()``, ``bool(t)``) with 1 or False (fake tensors hold no values), and a fake
     tensor's device query (asked from C++ at every autograd step) before its dispatch
-    machinery: one Python mode per operator instead of two."""
+    machinery: one Python mode per operator instead of two.
+
+    ``aten._unsafe_view`` (a linear layer's 3-D output) is answered as ``aten.view``:
+    torch runs the same fake kernel for both (the input's storage, reshaped), but bypasses
+    its fake-tensor cache for ``_unsafe_view``, which then cost ~3x a cached operator."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     class _FakeWithScalars(FakeTensorMode):
@@ -89,6 +98,8 @@ def _fake_mode():
                 if t.dtype == torch.bool:
                     return False
                 return 1.0 if t.is_floating_point() else 1
+            elif func is _UNSAFE_VIEW:
+                func = _VIEW
             return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     return _FakeWithScalars(allow_non_fake_inputs=True)
@@ -137,10 +148,12 @@ def _p2p_holds_tensors(ledger=None):
             setattr(dist, name, fn)
 
 
-def _context(rank: int, world: int):
+def _context(rank: int, world: int, stage_layers_only: bool = True):
     """A :class:`labkit.worker.RankContext` whose mesh groups are made on demand: the
     pool-wide list (``Mesh.required_groups``) of a cluster-scale mesh has hundreds of
-    thousands of entries and is only needed when real processes must agree on it."""
+    thousands of entries and is only needed when real processes must agree on it. With
+    ``stage_layers_only`` the job builds only the layers this rank's stages keep
+    (:mod:`labkit.train.build`)."""
     from labkit.mesh import MeshGroups, ProcessGroups
     from labkit.trace import Tracer
     from labkit.worker import RankContext
@@ -164,17 +177,24 @@ def _context(rank: int, world: int):
         def mesh_groups(self, mesh):
             return MeshGroups(mesh, self.rank, self.groups)
 
-    return _FakeContext(rank, world, torch.device("cpu"), dist.group.WORLD, "fake",
-                        Tracer(rank), {}, _OnDemand())
+    ctx = _FakeContext(rank, world, torch.device("cpu"), dist.group.WORLD, "fake",
+                       Tracer(rank), {}, _OnDemand())
+    ctx.stage_layers_only = stage_layers_only
+    return ctx
 
 
-def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
+def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
+                     stage_layers_only: bool = True) -> dict:
     """Memory of rank ``rank`` of ``cfg`` (a :class:`labkit.config.RunConfig`) for one
     training step, measured under fake tensors and a fake process group.
 
     ``cfg.model`` may be a ``ModelConfig`` of any size (pass the ``ModelConfig`` of a
     planning-only preset such as ``llama3-405b`` rather than its name). ``steps`` steps are
     run and the last one is tracked, as the real job does (FLOPs are not counted).
+    ``stage_layers_only`` (default): with a pipeline, build only the blocks this rank's
+    stages keep, plus the embedding, final norm and head (:class:`labkit.models.gpt.GPT`'s
+    ``layers``); ``False`` builds the whole model first, as a real rank does. The bytes are
+    the same (``tests/test_fake_rank.py``); the whole 405B costs ~0.8 s more per rank.
 
     Returns:
         ``{"memory": <the job's metrics["memory"]: peak bytes by category, model_state,
@@ -214,7 +234,7 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1) -> dict:
         text_corpus("train")  # cached per process: read it for real, not as a fake tensor
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        ctx = _context(rank, world)
+        ctx = _context(rank, world, stage_layers_only)
         with warnings.catch_warnings(), _p2p_holds_tensors(ledger), itemised_tracker(ledger), \
                 _fake_mode():
             # the pipeline's activation meter keys storages by data_ptr, which fake tensors

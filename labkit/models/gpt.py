@@ -10,7 +10,7 @@ Shapes use ``B`` batch, ``S`` sequence length, ``H`` = ``d_model``, ``A`` query 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .moe import Experts, MoE
 
-__all__ = ["GPT", "Block", "Attention", "SwiGLU", "RMSNorm", "rope_tables", "apply_rope",
-           "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS"]
+__all__ = ["GPT", "Block", "NotBuilt", "Attention", "SwiGLU", "RMSNorm", "rope_tables",
+           "apply_rope", "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS"]
 
 ATTENTION_IMPLS = ("sdpa", "math")
 INIT_STD = 0.02  # GPT-2 / Llama reference initialisation
@@ -221,6 +221,38 @@ def _build_device(target: torch.device) -> torch.device:
     return target if detect_fake_mode() is not None else torch.device("meta")
 
 
+class NotBuilt(nn.Module):
+    """The slot of block ``index`` in a GPT built with ``layers=`` that leave it out: no
+    parameters, and it refuses to run."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"block {self.index} was not built (GPT(layers=...) builds part "
+                           "of a model for measuring one pipeline stage)")
+
+
+def _kept_layers(n_layers: int, layers: Optional[Iterable[int]], target: torch.device
+                 ) -> range | frozenset:
+    if layers is None:
+        return range(n_layers)
+    from torch._guards import detect_fake_mode
+
+    keep = frozenset(layers)
+    bad = sorted(i for i in keep if isinstance(i, bool) or not isinstance(i, int)
+                 or not 0 <= i < n_layers)
+    if bad:
+        raise ValueError(f"layers must be in 0..{n_layers - 1} (n_layers {n_layers}), got "
+                         f"{bad}")
+    if detect_fake_mode() is None and target.type != "meta":
+        raise ValueError(f"layers={sorted(keep)} builds part of a model, which only fake or "
+                         f"meta tensors may do: real weights come from the whole model's "
+                         f"seed (device {target})")
+    return keep
+
+
 def init_weights(module: nn.Module, std: float = INIT_STD) -> None:
     """Normal(0, ``std``) for every Linear/Embedding weight, zero biases, ones for norms.
 
@@ -246,13 +278,19 @@ class GPT(nn.Module):
         attention: ``"sdpa"`` or ``"math"`` (see ``Attention``); both agree to ~1e-6.
         device, dtype: where to build; ``device="meta"`` allocates nothing, for counting
             the Llama 3 presets. After ``to_empty``, call ``reset_parameters()``.
+        layers: build only these blocks (indices into ``0 … n_layers−1``); every other
+            slot of ``layers`` holds a :class:`NotBuilt` that refuses to run. Only where no
+            weight has a value — under a ``FakeTensorMode`` or on ``meta`` — so a pipeline
+            stage measured under fake tensors need not build the whole model; real weights
+            always come from the whole model's seed.
 
     Raises:
         ValueError: invalid ``cfg`` (from ``cfg.validate()``), ``kind != "gpt"``, unknown
-            ``attention``.
+            ``attention``; ``layers`` outside ``0 … n_layers−1``, or given for real tensors.
     """
 
-    def __init__(self, cfg: ModelConfig, attention: str = "sdpa", device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, attention: str = "sdpa", device=None, dtype=None,
+                 layers: Optional[Iterable[int]] = None):
         super().__init__()
         cfg.validate()
         if cfg.kind != "gpt":
@@ -260,12 +298,14 @@ class GPT(nn.Module):
         self.cfg = cfg
         target = _target_device(device)
         device = _build_device(target)
+        keep = _kept_layers(cfg.n_layers, layers, target)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, causal=True, attention=attention,
                                           device=device, dtype=dtype)
-                                    for _ in range(cfg.n_layers))
+                                    if i in keep else NotBuilt(i)
+                                    for i in range(cfg.n_layers))
         for i, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, MoE):
+            if isinstance(layer, Block) and isinstance(layer.mlp, MoE):
                 layer.mlp.layer_id = i  # routing records name their layer
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device,

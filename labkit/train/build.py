@@ -5,7 +5,9 @@
     data parallelism / ZeRO / FSDP / HSDP over the data ranks → AdamW
 
 Every rank builds the *whole* model from the seed first, so each piece it keeps is
-bit-identical to the single-process reference's, with no broadcast. Then:
+bit-identical to the single-process reference's, with no broadcast. (A rank measured under
+fake tensors, :mod:`labkit.measure.fake_rank`, builds only the layers its stages keep: its
+weights hold no values, and the rest of a 126-layer model would cost time only.) Then:
 
 * **Pipeline.** With ``pp > 1`` the rank keeps its stages (:class:`StageModule`, stage
   ids from the schedule); without, one stage holds the whole GPT (the ViT is its own stage).
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from ..mesh import MeshGroups
+from ..models import build_model
 from ..parallel.dp import DataParallel, torch_ddp, unique_parameters
 from .cache import fresh_model, keep_stages, reuse_stages
 
@@ -118,11 +121,17 @@ def build_rank(ctx, cfg, mg: MeshGroups) -> RankSetup:
 
 
 def _compose_stages(ctx, cfg, mg: MeshGroups) -> RankSetup:
-    """The full model from the seed → this rank's pipeline stages → tensor, context and
-    expert parallelism → activation checkpointing → compiled blocks."""
+    """The full model from the seed (under fake tensors, only this rank's layers) → this
+    rank's pipeline stages → tensor, context and expert parallelism → activation
+    checkpointing → compiled blocks."""
     mc, device = cfg.model_config, ctx.device
-    model, copied = fresh_model(ctx, cfg)  # build_model(mc, device, cfg.seed), or its copy
-    n_params = sum(p.numel() for _, p in unique_parameters(model))
+    keep = _stage_layers_only(ctx, cfg, mg)
+    if keep is None:
+        model, copied = fresh_model(ctx, cfg)  # build_model(mc, device, cfg.seed), or its copy
+        n_params = sum(p.numel() for _, p in unique_parameters(model))
+    else:
+        model, copied = build_model(mc, device, cfg.seed, layers=keep), False
+        n_params = _whole_model_params(model, keep)
     setup = RankSetup(cfg, mg, device, {}, {}, n_params=n_params)
     if copied:
         setup.reused.append("model")
@@ -142,6 +151,30 @@ def _compose_stages(ctx, cfg, mg: MeshGroups) -> RankSetup:
             for block in m.layers:
                 block.compile()
     return setup
+
+
+def _stage_layers_only(ctx, cfg, mg: MeshGroups) -> Optional[list]:
+    """The layers this rank's pipeline stages keep, when it may build only those: a rank
+    measured under fake tensors (``ctx.stage_layers_only``, set by
+    :mod:`labkit.measure.fake_rank`), a GPT, ``pp > 1``. ``None``: build the whole model
+    from the seed, as every real rank does (:class:`~labkit.models.gpt.GPT` refuses a
+    partial build of real tensors)."""
+    mc = cfg.model_config
+    if not getattr(ctx, "stage_layers_only", False) or mc.kind != "gpt" or cfg.parallel.pp == 1:
+        return None
+    from ..parallel.pipeline.split import layer_ranges
+
+    sched = cfg.build_schedule()
+    ranges = layer_ranges(mc.n_layers, sched.n_stages)  # as StageModule splits them
+    return sorted({i for s in sched.stages_of(mg.index("pp")) for i in ranges[s]})
+
+
+def _whole_model_params(model: nn.Module, keep: list) -> int:
+    """The whole model's parameter count from one built with only the blocks ``keep``:
+    every block is built from the same config, so each missing one has a built one's."""
+    block = sum(p.numel() for _, p in unique_parameters(model.layers[keep[0]]))
+    built = sum(p.numel() for _, p in unique_parameters(model))
+    return built + (len(model.layers) - len(keep)) * block
 
 
 def _split_pipeline(setup: RankSetup, model: nn.Module) -> None:
