@@ -306,3 +306,25 @@ def test_rank_peak_is_the_mean_rate_shared_by_all_ranks(cluster4):
     peaks = r.outputs
     assert len(set(peaks)) == 1 and peaks[0] > 0, peaks
     assert not r.trace.filter(cat="comm")
+
+
+def test_a_snapshot_waits_for_a_release_on_another_thread():
+    """What gloo's worker thread does after a collective: it holds the last reference to a
+    temporary the step has already dropped, and frees it a moment later. The snapshot is
+    taken once that release has landed, so it does not depend on the race."""
+    import threading
+
+    model = nn.Linear(8, 8)
+
+    def step(mark):
+        tmp = torch.ones(4096)  # 16 KiB, dropped by the step at once
+        held = [tmp]
+        worker = threading.Thread(target=lambda: (time.sleep(2e-4), held.clear()))
+        del tmp
+        worker.start()
+        mark("after")
+        worker.join()
+
+    for _ in range(3):
+        after = dict(measure_memory(step, model, None, "cpu").timeline)["after"]
+        assert after["activations"] + after["other"] < 16384, after

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
@@ -203,6 +204,27 @@ def _wants_mark(fn: Callable) -> bool:
     return False
 
 
+def _settled(read: Callable[[], dict], pause_s: float = 1e-3, tries: int = 20) -> dict:
+    """``read()`` once two reads a pause apart agree (at most ``tries`` pauses).
+
+    A gloo collective's worker thread drops its reference to the tensors of a finished
+    operation just after the caller's ``wait()`` returns (the woken caller often runs
+    first). A temporary the caller already let go of (a contiguous copy, a received buffer)
+    is then freed on that thread a moment later, so a snapshot taken right after a
+    collective sometimes counted it (2,048 bytes at a tensor-parallel forward's end, about
+    one run in four). Pausing yields the core and the GIL, so the release lands; a worker
+    kept off the cores longer than the pauses can still be missed. An operation still in
+    flight keeps its tensors, so nothing else moves."""
+    snap = read()
+    for _ in range(tries):
+        time.sleep(pause_s)
+        again = read()
+        if again == snap:
+            return snap
+        snap = again
+    return snap
+
+
 def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
                    optimizer: Optional[torch.optim.Optimizer],
                    device: Union[torch.device, str] = "cpu", *,
@@ -246,7 +268,7 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     timeline: list[tuple[str, dict[str, int]]] = []
 
     def mark(label: str) -> dict[str, int]:
-        snap = _categorize(mt.get_tracker_snapshot("current").get(dev))
+        snap = _settled(lambda: _categorize(mt.get_tracker_snapshot("current").get(dev)))
         timeline.append((str(label), snap))
         if hook is not None:
             hook(str(label), snap)
