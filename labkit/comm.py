@@ -35,11 +35,13 @@ carry the payload each call really handed to the backend: ``args["bytes"] == "me
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .comm_release import refs, wait_released
 from .trace import COMM, P2P, Event, current_tracer
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
@@ -88,22 +90,41 @@ class Handle:
 
     The recorded span runs from issue to the return of ``wait()``: on gloo the work
     progresses on a background thread in between, which is the overlap a timeline shows.
+    ``wait()`` returns once the backend has let go of the op's ``tensors``
+    (:mod:`labkit.comm_release`), so a buffer the caller drops afterwards is freed there.
+    ``before`` is :func:`~labkit.comm_release.refs` of ``tensors`` just before the op was
+    issued: ``wait()`` waits until the references are back to those (a caller that makes
+    new views of an in-flight tensor before ``wait()`` waits the bound, so do it after).
+    The handle holds the tensors weakly: one the caller drops in flight is freed by the
+    backend, whenever it lets go (the handle's work object keeps it until ``wait()``).
     """
 
-    def __init__(self, work, event: Optional[Event], finish=None):
+    def __init__(self, work, event: Optional[Event], finish=None,
+                 tensors: Sequence[torch.Tensor] = (), before: Optional[list] = None):
         self._work, self._event, self._finish, self._done = work, event, finish, False
         self._tracer = current_tracer()  # wait() may run on another thread (a future callback)
+        # weak: a tensor the caller drops in flight is the backend's to free, as before
+        self._tensors: tuple = ()
+        if work is not None and tensors and before is not None:
+            self._tensors = tuple(zip((weakref.ref(t) for t in tensors), before))
 
     @property
     def work(self):
         """The underlying ``torch.distributed`` work object (for ``get_future()``)."""
         return self._work
 
+    @torch.compiler.disable
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
             self._work.wait()
+            if self._tensors:
+                self._work = None  # ours is one of the references to the tensors
+                alive = [(t, n) for t, n in ((r(), n) for r, n in self._tensors)
+                         if t is not None]
+                wait_released([t for t, _ in alive], [n for _, n in alive])
+                self._tensors = ()
         self.complete()
 
     def complete(self) -> None:
@@ -113,14 +134,20 @@ class Handle:
             return
         if self._finish is not None:
             self._finish()
-        self._done = True
+        self._done, self._tensors = True, ()
         tracer = self._tracer
         if self._event is not None and tracer is not None:
             self._event.end = tracer.now()
             tracer.record(self._event)
 
 
-def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish=None, **args):
+# A compiled block (``torch.compile``) calls collectives from inside its graph: run them
+# eagerly, one graph break each, rather than have dynamo trace the tracing and the waits
+@torch.compiler.disable
+def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish=None,
+         tensors: Sequence[torch.Tensor] = (), **args):
+    """Issue ``call(async_op=True)`` (always asynchronous, so the handle owns the work and
+    can wait for its ``tensors`` to be released), trace it, and wait unless ``async_op``."""
     tracer = current_tracer()
     event = None
     if tracer is not None:
@@ -128,8 +155,8 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
         event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
                       bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
                       peers=tuple(peers), args=args)
-    work = call(async_op)
-    handle = Handle(work, event, finish)
+    before = refs(tensors)
+    handle = Handle(call(True), event, finish, tensors, before)  # the only reference to the work
     if async_op:
         return handle
     handle.wait()
@@ -150,8 +177,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, axis: Optional
     finish = (lambda: tensor.div_(n)) if op == "avg" else None
     return _run("all_reduce", COMM, lambda a: dist.all_reduce(tensor, rop, group, a),
                 group=group, axis=axis, sent=2 * (n - 1) * s / n, recv=2 * (n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, finish=finish, numel=tensor.numel(),
-                reduce=op, **tags)
+                peers=group_ranks(group), async_op=async_op, finish=finish, tensors=(tensor,),
+                numel=tensor.numel(), reduce=op, **tags)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
@@ -173,7 +200,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
                 lambda a: _reduce_scatter_tensor(output, input, rop, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
                 peers=group_ranks(group), async_op=async_op, finish=finish,
-                numel=input.numel(), reduce=op, **tags)
+                tensors=(output, input), numel=input.numel(), reduce=op, **tags)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -187,7 +214,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     return _run("all_gather", COMM,
                 lambda a: _all_gather_tensor(output, input, group, a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, numel=output.numel(), **tags)
+                peers=group_ranks(group), async_op=async_op, tensors=(output, input),
+                numel=output.numel(), **tags)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -202,7 +230,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
     return _run("all_to_all", COMM,
                 lambda a: dist.all_to_all_single(output, input, group=group, async_op=a),
                 group=group, axis=axis, sent=(n - 1) * s / n, recv=(n - 1) * s / n,
-                peers=group_ranks(group), async_op=async_op, numel=input.numel(), **tags)
+                peers=group_ranks(group), async_op=async_op, tensors=(output, input),
+                numel=input.numel(), **tags)
 
 
 def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -214,7 +243,7 @@ def all_to_all_list(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tens
     recv = sum(nbytes(t) for i, t in enumerate(outputs) if i != me)
     _run("all_to_all", COMM, lambda a: dist.all_to_all(list(outputs), list(inputs), group, a),
          group=group, axis=axis, sent=sent, recv=recv, peers=group_ranks(group),
-         async_op=False, form="list")
+         async_op=False, tensors=(*outputs, *inputs), form="list")
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -257,7 +286,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                 lambda a: dist.all_to_all_single(output, input, out_sizes, in_sizes, group=group,
                                                  async_op=a),
                 group=group, axis=axis, sent=sum(to), recv=sum(frm), peers=group_ranks(group),
-                async_op=async_op, form="v", bytes_to=to, bytes_from=frm, **tags)
+                async_op=async_op, tensors=(output, input), form="v", bytes_to=to,
+                bytes_from=frm, **tags)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None) -> None:
@@ -265,7 +295,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = 
     s, me = nbytes(tensor), dist.get_rank()
     _run("broadcast", COMM, lambda a: dist.broadcast(tensor, src, group, a), group=group,
          axis=axis, sent=s if me == src else 0, recv=0 if me == src else s,
-         peers=group_ranks(group), async_op=False, root=src)
+         peers=group_ranks(group), async_op=False, tensors=(tensor,), root=src)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None,
@@ -276,38 +306,38 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None,
     finish = (lambda: tensor.div_(n)) if op == "avg" and me == dst else None
     _run("reduce", COMM, lambda a: dist.reduce(tensor, dst, _reduce_op(op), group, a),
          group=group, axis=axis, sent=0 if me == dst else s, recv=s if me == dst else 0,
-         peers=group_ranks(group), async_op=False, finish=finish, root=dst, reduce=op)
+         peers=group_ranks(group), async_op=False, finish=finish, tensors=(tensor,), root=dst,
+         reduce=op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,
          tag: int = 0) -> None:
     """Blocking send of ``tensor`` to global rank ``dst``."""
-    _run("send", P2P, lambda a: dist.send(tensor, dst, group, tag), group=group, axis=axis,
-         sent=nbytes(tensor), recv=0, peers=(dst,), async_op=False)
+    _run("send", P2P, lambda a: dist.isend(tensor, dst, group, tag), group=group, axis=axis,
+         sent=nbytes(tensor), recv=0, peers=(dst,), async_op=False, tensors=(tensor,))
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None,
          tag: int = 0) -> None:
     """Blocking receive into ``tensor`` from global rank ``src``."""
-    def blocking_recv(_async_op):
-        dist.recv(tensor, src, group, tag)  # returns the sender's rank, not a work object
-
-    _run("recv", P2P, blocking_recv, group=group, axis=axis, sent=0, recv=nbytes(tensor),
-         peers=(src,), async_op=False)
+    _run("recv", P2P, lambda a: dist.irecv(tensor, src, group, tag), group=group, axis=axis,
+         sent=0, recv=nbytes(tensor), peers=(src,), async_op=False, tensors=(tensor,))
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, axis: Optional[str] = None,
           tag: int = 0) -> Handle:
     """Non-blocking send; call ``wait()`` on the handle."""
     return _run("send", P2P, lambda a: dist.isend(tensor, dst, group, tag), group=group,
-                axis=axis, sent=nbytes(tensor), recv=0, peers=(dst,), async_op=True)
+                axis=axis, sent=nbytes(tensor), recv=0, peers=(dst,), async_op=True,
+                tensors=(tensor,))
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, axis: Optional[str] = None,
           tag: int = 0) -> Handle:
     """Non-blocking receive; call ``wait()`` on the handle."""
     return _run("recv", P2P, lambda a: dist.irecv(tensor, src, group, tag), group=group,
-                axis=axis, sent=0, recv=nbytes(tensor), peers=(src,), async_op=True)
+                axis=axis, sent=0, recv=nbytes(tensor), peers=(src,), async_op=True,
+                tensors=(tensor,))
 
 
 def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None,
@@ -317,6 +347,8 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
     ``tag`` matches sends to receives (gloo); ``tags`` go into the trace events' ``args``."""
     ops = ([dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
            + [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs])
+    pairs = list(sends) + list(recvs)
+    before = refs([t for t, _ in pairs])
     works = dist.batch_isend_irecv(ops) if ops else []
     tracer = current_tracer()
     handles = []
@@ -328,7 +360,7 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
                        bytes_sent=float(nbytes(t)) if kind == "send" else 0.0,
                        bytes_recv=float(nbytes(t)) if kind == "recv" else 0.0,
                        axis=axis, peers=(peer,), args={**tags, "bytes": BYTES_MEASURED})
-        handles.append(Handle(work, ev))
+        handles.append(Handle(work, ev, tensors=(t,), before=[before[len(handles)]]))
     return handles
 
 
