@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import comm_release
 from .comm_release import refs, wait_released
 from .trace import COMM, P2P, Event, current_tracer
 
@@ -90,8 +91,9 @@ class Handle:
 
     The recorded span runs from issue to the return of ``wait()``: on gloo the work
     progresses on a background thread in between, which is the overlap a timeline shows.
-    ``wait()`` returns once the backend has let go of the op's ``tensors``
-    (:mod:`labkit.comm_release`), so a buffer the caller drops afterwards is freed there.
+    Issued inside :func:`labkit.comm_release.settling` (a memory-tracked step), ``wait()``
+    returns once the backend has let go of the op's ``tensors``, so a buffer the caller
+    drops afterwards is freed there.
     ``before`` is :func:`~labkit.comm_release.refs` of ``tensors`` just before the op was
     issued: ``wait()`` waits until the references are back to those (a caller that makes
     new views of an in-flight tensor before ``wait()`` waits the bound, so do it after).
@@ -155,7 +157,7 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
         event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
                       bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
                       peers=tuple(peers), args=args)
-    before = refs(tensors)
+    before = refs(tensors) if comm_release.active() else None
     handle = Handle(call(True), event, finish, tensors, before)  # the only reference to the work
     if async_op:
         return handle
@@ -348,7 +350,7 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
     ops = ([dist.P2POp(dist.isend, t, peer, group, tag) for t, peer in sends]
            + [dist.P2POp(dist.irecv, t, peer, group, tag) for t, peer in recvs])
     pairs = list(sends) + list(recvs)
-    before = refs([t for t, _ in pairs])
+    before = refs([t for t, _ in pairs]) if comm_release.active() else [None] * len(pairs)
     works = dist.batch_isend_irecv(ops) if ops else []
     tracer = current_tracer()
     handles = []
@@ -360,7 +362,8 @@ def batch_isend_irecv(sends: Sequence[tuple], recvs: Sequence[tuple], group=None
                        bytes_sent=float(nbytes(t)) if kind == "send" else 0.0,
                        bytes_recv=float(nbytes(t)) if kind == "recv" else 0.0,
                        axis=axis, peers=(peer,), args={**tags, "bytes": BYTES_MEASURED})
-        handles.append(Handle(work, ev, tensors=(t,), before=[before[len(handles)]]))
+        n = before[len(handles)]
+        handles.append(Handle(work, ev, tensors=(t,), before=None if n is None else [n]))
     return handles
 
 

@@ -60,3 +60,14 @@ def test_a_backend_that_keeps_the_tensor_does_not_stall_the_job():
     target = refs([t])
     kept = t.view(-1)  # noqa: F841  (kept for good)
     assert wait_released([t], target, timeout_s=0.01) is False
+
+
+def test_only_a_memory_tracked_step_waits_for_releases():
+    """Elsewhere the wait would add the worker's wake-up time to every message."""
+    from labkit import comm_release
+    from labkit.measure.memory import measure_memory
+
+    seen = []
+    assert not comm_release.active()
+    measure_memory(lambda: seen.append(comm_release.active()), torch.nn.Linear(2, 2), None)
+    assert seen == [True] and not comm_release.active()

@@ -49,6 +49,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from labkit import comm_release
+
 __all__ = ["MemoryReport", "measure_memory", "CATEGORIES"]
 
 #: Report keys in display order.
@@ -251,6 +253,10 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     Returns:
         :class:`MemoryReport`.
 
+    The step runs inside :func:`labkit.comm_release.settling`: labkit's collectives return
+    once the backend has let go of their tensors, so a buffer is freed at the same operator
+    in every run.
+
     Inside a traced job the step is flagged ``instrumented="memory"``
     (:func:`labkit.trace.flag_step`), so timelines mark it.
 
@@ -288,7 +294,7 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with mt:
+        with mt, comm_release.settling():
             mark("start")
             if _wants_mark(step_fn):
                 step_fn(mark)
