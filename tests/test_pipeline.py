@@ -171,3 +171,18 @@ def test_bad_input_raises_before_launch(cluster4, changes, match):
     with pytest.raises(ValueError, match=match):
         cluster4.run(jobs.train, BASE.replace(pp=2).replace(**changes))
     assert cluster4.restarts == restarts and cluster4.alive
+
+
+def test_zero_bubble_memory_step_prints_no_tracker_warnings(capfd):
+    """MemTracker warns for every ``None`` gradient a zero-bubble stage's hooks see (the
+    first stage's input needs none); the tracked step silences exactly that warning, so a
+    notebook cell shows no stderr box for a correct run. The ranks write to the stderr they
+    inherited, so this starts its own pool under ``capfd``."""
+    import labkit
+
+    cfg = BASE.replace(pp=2, microbatches=4, schedule="zb-h1", steps=1, measure_memory=True,
+                       return_grads=False, return_state=False)
+    with labkit.Cluster(2, replace=False) as cluster:
+        cluster.run(jobs.train, cfg)
+    out, err = capfd.readouterr()
+    assert "Expected a tensor" not in out + err

@@ -97,3 +97,23 @@ def test_real_run_rerun_and_play(cluster4):
     _check_legends_and_labels(v, 16)
     bundle = v._repr_mimebundle_()
     assert "application/vnd.plotly.v1+json" in bundle
+
+
+def test_a_refused_value_goes_back_and_the_title_names_what_is_shown():
+    """V=4 on P=4 needs 16 stages of an 8-layer model: refused before running; the slider
+    returns to the shown V, and neither the refusal nor a later frame renames the figure."""
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(None, schedule="interleaved", pp=4, microbatches=8, virtual_stages=2)
+    assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
+    v.controls["virtual_stages"].value = 4
+    assert v.controls["virtual_stages"].value == 2
+    assert "n_layers=8" in v.status.value and "still shows interleaved: P=4, M=8, V=2" \
+        in v.status.value
+    v.time.value = 10
+    assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
+    v.set(schedule="1f1b")  # no virtual stages: the title says none
+    assert v.fig.layout.title.text == "1f1b: P=4, M=8"
+    assert v.controls["virtual_stages"].disabled
+    idle = [t for d in v.fig.data for t in (d.text or ()) if str(t).startswith("idle")]
+    assert idle and all(t.endswith(" units") for t in idle)  # simulated: unit costs

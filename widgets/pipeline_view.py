@@ -102,7 +102,8 @@ def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float
                 idle["x"].append((nxt - t) * scale)
                 idle["y"].append(f"rank {r}")
                 idle["color"].append(IDLE)
-                idle["text"].append(f"idle {(nxt - t) * scale:.2f}")
+                idle["text"].append(f"idle {(nxt - t) * scale:.2f}"
+                                    + (" ms" if scale == 1e3 else " units"))
             if sp is not None:
                 t = max(t, sp.end)
     return out
@@ -208,6 +209,7 @@ class PipelineView(StaticFigure, W.VBox):
                  interval_ms: int = 150, **kwargs):
         super().__init__(**kwargs)
         self.cluster, self.result, self.report = cluster, None, None
+        self.shown: Optional[RunConfig] = None  # the configuration the figure shows
         self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
         max_p = cluster.world_size if cluster is not None else 8
@@ -226,8 +228,9 @@ class PipelineView(StaticFigure, W.VBox):
                                                 tooltip="virtual stages per rank "
                                                         "(interleaved schedules)", **opts)}
         self.play = W.Play(min=0, max=FRAMES, value=FRAMES, step=1, interval=interval_ms)
-        self.time = W.IntSlider(min=0, max=FRAMES, value=FRAMES, description="time",
-                                tooltip="how far into the step (0 … 40: the whole step)",
+        self.time = W.IntSlider(min=0, max=FRAMES, value=FRAMES, description="frame",
+                                tooltip=f"how far into the step, in {FRAMES}ths of it "
+                                        f"({FRAMES}: the whole step)",
                                 style={"description_width": "60px"})
         W.link((self.play, "value"), (self.time, "value"))
         self.status = W.HTML(S.status_html("ready"))
@@ -267,15 +270,18 @@ class PipelineView(StaticFigure, W.VBox):
         self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
         try:
             cfg.validate(self.cluster.world_size if self.cluster is not None else None)
-        except ValueError as exc:
-            self.status.value = S.status_html(str(exc), "error")
+        except ValueError as exc:  # a refused value: put the controls back on what is shown
+            if self.shown is not None:
+                self._show_controls(self.shown)
+            shown = "" if self.shown is None else f" (the figure still shows {self._name()})"
+            self.status.value = S.status_html(f"{exc}{shown}", "error")
             return self
         if self.cluster is None:
             sim = simulate(cfg.build_schedule())
             self.spans, self.sim_spans, self.report = [], sim.spans, None
             self.status.value = S.status_html(
                 f"simulated only (no cluster), unit costs: {sim.summary()}", "info")
-            self._scale = 1.0  # unit costs: the axis is in cost units
+            self._scale, self.shown = 1.0, cfg  # unit costs: the axis is in cost units
             self._draw()
             return self
         self.status.value = S.status_html(f"running {cfg.schedule} P={cfg.parallel.pp} "
@@ -294,12 +300,32 @@ class PipelineView(StaticFigure, W.VBox):
         self.sim_spans = rep.predicted.spans
         self.status.value = status_table(
             rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
-        self._scale = 1e3  # seconds → ms
+        self._scale, self.shown = 1e3, cfg  # seconds → ms
         self._draw()
         return self
 
+    def _show_controls(self, cfg: RunConfig) -> None:
+        """Set the controls to ``cfg``'s values without re-running."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            self.controls["schedule"].value = cfg.schedule
+            self.controls["pp"].value = cfg.parallel.pp
+            self.controls["microbatches"].value = cfg.flush_microbatches
+            if cfg.schedule == "interleaved":
+                self.controls["virtual_stages"].value = cfg.stages_per_rank
+            self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
+        finally:
+            self._quiet = quiet
+
+    def _name(self) -> str:
+        """The shown configuration as the title names it."""
+        cfg = self.shown or self.config()
+        v = f", V={cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
+        return f"{cfg.schedule}: P={cfg.parallel.pp}, M={cfg.flush_microbatches}{v}"
+
     def _draw(self) -> None:
-        pp = self.config().parallel.pp
+        cfg = self.shown or self.config()
+        pp = cfg.parallel.pp
         end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
         until = end * self.time.value / FRAMES
         with self.fig.batch_update():
@@ -318,10 +344,8 @@ class PipelineView(StaticFigure, W.VBox):
                                                    "measured: nothing ran (no cluster)")
             self.fig.layout.yaxis.visible = bool(self.spans)
             self.fig.layout.xaxis.range = self.fig.layout.xaxis2.range = [0, end * self._scale]
-            cfg = self.config()
             m = cfg.flush_microbatches
-            self.fig.layout.title.text = (f"{cfg.schedule}: P={cfg.parallel.pp}, M={m}, "
-                                          f"V={cfg.stages_per_rank}")
+            self.fig.layout.title.text = self._name()
             for i in range(len(PALETTE)):  # one colour key per microbatch
                 self.fig.data[N_DATA + 1 + len(KINDS) + i].visible = i < m
 
