@@ -115,7 +115,7 @@ def _move(page, label: str, by: int, settle_s: float = 2.0, timeout_s: float = 3
         page.wait_for_timeout(100)
     wait_idle(page, timeout_s)
     status = _status(page)
-    m = re.search(r"figures sent ([0-9.]+) s after the kernel got the change", status)
+    m = re.search(r"figures sent ([0-9.]+) s after the change", status)
     return {"move": f"{label} {before}→{slider_value(page, label)}",
             "browser_s": (change - release) / 1e3,
             "kernel_s": float(m.group(1)) if m else float("nan")}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 
 import ipywidgets as W
@@ -372,7 +373,7 @@ def test_invalid_set_shows_the_reason_and_raises_nothing():
     assert ex.set(dp=2) is not None and ex.last_error is None and len(ex.history) == 2
 
 
-def test_a_rerun_sends_each_changed_figure_once():
+def test_a_rerun_sends_each_changed_figure_once(monkeypatch):
     """A run redraws every figure it changed (memory bars, gauge, bytes, timeline) in one
     pass after the job: each changed figure sends its whole new state once (the widget's
     ``outputs``), a figure the run did not change sends nothing."""
@@ -406,6 +407,11 @@ def test_a_rerun_sends_each_changed_figure_once():
     assert fake.configs[-1].parallel.dp == 2 and len(ex.history) == 2
     assert ex.figures["mfu"].data[0].value == pytest.approx(ex.history[-1]["mfu_pct"])
     assert ex.last_latency_s > 0 and "figures sent" in _plain(ex.status.value)
+    # more ranks than cores: the status says the times do not compare across rank counts
+    for cores, shares in ((1, True), (2, False)):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cores: c)
+        ex.rerun()
+        assert ("its 2 ranks share 1 CPU core:" in _plain(ex.status.value)) == shares
 
 
 def _shown(fig) -> dict:

@@ -30,6 +30,7 @@ one-off allocation and the memory-tracked step runs several times slower.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Optional
 
@@ -297,11 +298,15 @@ class Explorer(W.VBox):
         notes += ([] if warm else ["the ranks were started first"]) + self._notes
         if known:
             notes.append(f"memory from run #{known[0]} (same configuration)")
+        used, cores = cfg.parallel.world_size, os.cpu_count() or 1
+        if used > cores:  # a student reads "more data parallelism, slower steps" otherwise
+            plural = "s" * (cores > 1)
+            notes.append(f"its {used} ranks share {cores} CPU core{plural}: its step time "
+                         "and MFU are not comparable with a run on fewer ranks")
         self._notes = []
         self.status.value = S.status_html(
-            f"{F.layout_string(cfg)}: ran {result.wall_s:.2f} s on the cluster, figures "
-            f"sent {self.last_latency_s:.2f} s after the kernel got the change (the page "
-            "draws them next)"
+            f"{F.layout_string(cfg)}: ran {result.wall_s:.2f} s; figures sent "
+            f"{self.last_latency_s:.2f} s after the change"
             + "".join(f"; {n}" for n in notes), "ok")
         return result
 

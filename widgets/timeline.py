@@ -213,18 +213,22 @@ def _title(events, ranks, trace, step, flagged) -> str:
     length = (hi - lo) * 1e3
     if step is None:
         steps = sorted({e.step for e in events if e.step >= 0})
-        what = f"all {len(steps)} steps" if steps else "the whole run"
+        what = ("the whole run" if not steps else "1 step" if len(steps) == 1
+                else f"all {len(steps)} steps")
         note = ""
         if flagged:
             names = ", ".join(f"step {s} ({w}-tracked)" for s, w in sorted(flagged.items()))
             note = f"<br><sup>shaded: {names}: instrumented, slower by design</sup>"
-        return (f"{what}: {length:.1f} ms, {len(events)} events on {len(ranks)} rank(s)"
-                f"{note}")
+        return f"{what}: {length:.1f} ms, {len(events)} events on {_ranks(ranks)}{note}"
     start = (lo - trace.t0) * 1e3
     note = (f"<br><sup>step {step} ran {flagged[step]}-tracked: slower by design, not a "
             "step time</sup>" if step in flagged else "")
     return (f"step {step}: {length:.1f} ms long (from {start:.1f} ms), {len(events)} events "
-            f"on {len(ranks)} rank(s){note}")
+            f"on {_ranks(ranks)}{note}")
+
+
+def _ranks(ranks) -> str:
+    return "1 rank" if len(ranks) == 1 else f"{len(ranks)} ranks"
 
 
 def _base_layout() -> dict:
