@@ -88,6 +88,7 @@ def test_real_run_rerun_and_play(cluster4):
     measured = sum(len(v.fig.data[i].x) for i in range(1, 5))
     assert measured == 2 * 4 * 4  # F and BW
     assert len(v.fig.data[0].x) > 0  # idle bubbles drawn
+    assert all(" ms, lasts %{x:.2f} ms" in t.hovertemplate for t in v.fig.data[:10])
     v.set(schedule="zb-v", pp=2, microbatches=2)
     assert sum(len(v.fig.data[i].x) for i in range(1, 5)) == 3 * 4 * 2  # 4 stages on 2 ranks
     v.time.value = 10  # the play control drives this slider
@@ -117,3 +118,7 @@ def test_a_refused_value_goes_back_and_the_title_names_what_is_shown():
     assert v.controls["virtual_stages"].disabled
     idle = [t for d in v.fig.data for t in (d.text or ()) if str(t).startswith("idle")]
     assert idle and all(t.endswith(" units") for t in idle)  # simulated: unit costs
+    from labkit_widgets.pipeline_view import N_DATA
+    hovers = {d.hovertemplate for d in v.fig.data[:N_DATA]}  # every bar's times name the unit
+    assert hovers == {"%{text}<br>starts at %{base:.2f} units, lasts %{x:.2f} units"
+                      "<extra></extra>"}

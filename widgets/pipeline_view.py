@@ -161,7 +161,7 @@ def _base_figure() -> go.Figure:
             fig.add_trace(go.Bar(
                 name=kind, orientation="h", x=[], y=[], base=[], text=[], showlegend=False,
                 textposition="inside", insidetextanchor="middle", textangle=0,
-                hovertemplate="%{text}<br>%{base:.2f} + %{x:.2f}<extra></extra>",
+                hovertemplate="%{text}<extra></extra>",
                 marker=dict(color=IDLE if kind == "idle" else "#999",
                             pattern_shape=PATTERNS.get(kind, ""), line_width=0)),
                 row=row, col=1)
@@ -328,6 +328,9 @@ class PipelineView(StaticFigure, W.VBox):
         pp = cfg.parallel.pp
         end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
         until = end * self.time.value / FRAMES
+        unit = "ms" if self._scale == 1e3 else "units"
+        hover = (f"%{{text}}<br>starts at %{{base:.2f}} {unit}, lasts %{{x:.2f}} {unit}"
+                 "<extra></extra>")
         with self.fig.batch_update():
             for panel, spans in enumerate((self.spans, self.sim_spans)):
                 cols = gantt_data(spans, pp, until, self._scale)
@@ -335,8 +338,7 @@ class PipelineView(StaticFigure, W.VBox):
                     c = cols[kind]
                     self.fig.data[panel * (1 + len(KINDS)) + i].update(
                         x=c["x"], base=c["base"], y=c["y"], text=c["text"],
-                        marker=dict(color=c["color"]))
-            unit = "ms" if self._scale == 1e3 else "units"
+                        marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
             self.fig.layout.annotations[1].text = ("simulated on this machine" if unit == "ms"
                                                    else "simulated, unit costs")
