@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import time
 import os
 import re
 
@@ -415,9 +416,54 @@ def test_a_rerun_sends_each_changed_figure_once(monkeypatch):
 
 
 def _shown(fig) -> dict:
-    """The plotly figure a LiveFigure's widget state holds (its one output)."""
-    (out,) = fig.outputs
-    return out["data"]["application/vnd.plotly.v1+json"]
+    """The plotly figure a LiveFigure's widget state holds: its first output (the second
+    shows the widget that draws later figures in place; with no page here, it never does)."""
+    out, view = fig.outputs
+    assert view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] \
+        == fig.inplace.model_id
+    assert fig.inplace.seq == 0 and fig.shown() is out["data"][PLOTLY]
+    return out["data"][PLOTLY]
+
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def test_a_figure_goes_in_place_once_the_page_says_ready_and_back_when_it_fails(monkeypatch):
+    """After the page's view says ``ready`` (for the output now shown), a changed figure
+    travels in the in-place widget and ``outputs`` stays as drawn; a ``failed`` draw, or a
+    draw not acknowledged within ACK_TIMEOUT_S, sends the next figure by replacing the
+    output again (a new generation, whose view must say ``ready`` anew)."""
+    from labkit_widgets import _inplace
+
+    ex = _explorer(FakeCluster(), RunConfig(global_batch=8, steps=3).replace(dp=2))
+    fig = ex.figures["mfu"]
+    replaced: list = []
+    fig.observe(lambda ch: replaced.append(1), "outputs")
+    ip = fig.inplace
+    ip._on_front(ip, {"event": "ready", "gen": ip.gen - 1}, [])  # an old view: ignored
+    ex.set(dp=1)
+    assert len(replaced) == 1 and ip.seq == 0
+    ip._on_front(ip, {"event": "ready", "gen": ip.gen}, [])
+    outputs = fig.outputs
+    ex.set(dp=2)
+    assert not replaced[1:] and fig.outputs is outputs and ip.seq == 1
+    assert fig.shown() is ip.figure == json.loads(pio.to_json(fig, validate=False))
+    ip._on_front(ip, {"event": "drawn", "seq": 1}, [])
+    assert ip._unacked == {}
+    ex.set(dp=1)  # sent in place, never acknowledged ...
+    now = time.monotonic()
+    monkeypatch.setattr(_inplace.time, "monotonic", lambda: now + _inplace.ACK_TIMEOUT_S + 1)
+    gen = ip.gen
+    ex.set(dp=2)  # ... so this one replaces the output
+    assert len(replaced) == 2 and ip.seq == 0 and ip.gen == gen + 1 and ip.figure == {}
+    assert _shown(fig) == json.loads(pio.to_json(fig, validate=False))
+    ip._on_front(ip, {"event": "ready", "gen": ip.gen}, [])
+    ex.set(dp=1)
+    assert len(replaced) == 2 and ip.seq == 1
+    ip._on_front(ip, {"event": "failed", "seq": 1, "error": "Error: no plot"}, [])
+    ex.set(dp=2)  # the same figure the output held before the in-place draw: sent again
+    assert len(replaced) == 3 and ip.errors == ["Error: no plot"]
+    assert _shown(fig) == json.loads(pio.to_json(fig, validate=False))
 
 
 def test_figure_widgets_open_with_the_first_run(monkeypatch):

@@ -10,6 +10,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from . import _style as S
+from ._inplace import InPlace
 
 #: the mimetype plotly's JupyterLab extension renders (the notebook's own renderer)
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -34,6 +35,11 @@ class LiveFigure(go.Figure, W.Output):
     FigureWidgets of six created together ignored every later restyle). ``ipywidgets.Output``
     has no such deadline, and its state is the whole figure, so the last edit always wins.
 
+    Where the page allows it, a later figure is drawn in place instead (``Plotly.react`` on
+    the plot already drawn, :mod:`._inplace`): the ``Output``'s second output is the small
+    widget that does it, ``outputs`` keeps the figure the page drew last by replacing, and
+    :meth:`shown` is the figure on display either way.
+
     Use it as a ``go.Figure`` (``.data``, ``.layout``, ``update_layout``, ``go.Figure(fig)``
     for a plain copy) and as a widget (a child of a ``VBox``). ``.layout`` is plotly's: like
     plotly's FigureWidget, this widget has no ipywidgets CSS layout.
@@ -41,6 +47,7 @@ class LiveFigure(go.Figure, W.Output):
 
     def __init__(self, *args, **kwargs):
         self._live_hold, self._live_sent, self._defer_open = 0, None, True
+        self._inplace = InPlace()
         super().__init__(*args, **kwargs)  # go.Figure's; it calls Widget.__init__ early
         self._defer_open = False
         self._redraw()
@@ -51,15 +58,32 @@ class LiveFigure(go.Figure, W.Output):
             super().open()
 
     def _redraw(self) -> None:
-        """Put the figure as it stands into ``outputs`` (skipped when nothing changed)."""
+        """Draw the figure as it stands in place, or put it into ``outputs`` (skipped when
+        nothing changed)."""
         bundle = S.static_bundle(self)
         text = json.dumps(bundle, sort_keys=True)
         if text == self._live_sent:
             return
         self._live_sent = text
+        if self.inplace.can_draw():
+            self.inplace.draw(bundle[PLOTLY_MIME])
+            return
+        self.inplace.replaced()
         title = self.layout.title.text or ""
         bundle["text/plain"] = f"<LiveFigure {title.split('<')[0].strip()!r}>"
-        self.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+        self.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},
+                        self.inplace.view_output())
+
+    @property
+    def inplace(self) -> InPlace:
+        """The widget that draws later figures in place (:mod:`._inplace`)."""
+        return self._inplace
+
+    def shown(self) -> dict:
+        """The plotly JSON on display: the last figure drawn in place, else the output's."""
+        if self.inplace.seq:
+            return self.inplace.figure
+        return self.outputs[0]["data"][PLOTLY_MIME] if self.outputs else {}
 
     def _edited(self, *_args, **_kwargs) -> None:
         if not self._live_hold:
