@@ -62,37 +62,58 @@ async function waitForPlot(el, ms) {
   return null;
 }
 
+const sleep = ms => new Promise(r => setTimeout(r, ms));
+
 function render({ model, el }) {
   el.style.display = "none";
   let chain = Promise.resolve();
-  let live = false;
-  const draw = (seq) => {
+  let live = false, gone = false;
+  // the page may build a view before it attaches it (a reloaded notebook restores its
+  // outputs off-document): wait for that, never drop the draw
+  const attached = async () => {
+    for (let i = 0; !el.isConnected; i++) {
+      if (gone || i > 2400) return false;  // a view that left the page: the others draw
+      await sleep(250);
+    }
+    return true;
+  };
+  const draw = (fixes = 0) => {
     chain = chain.then(async () => {
-      if (!el.isConnected) return;  // a view that left the page: the others draw
-      const fig = model.get("figure");
+      if (!(await attached())) return;
+      const seq = model.get("seq"), fig = model.get("figure");  // the latest, read now
+      if (seq <= 0) return;
       const P = await plotly();
       const gd = plotBeside(el);
       if (!P || !gd || !fig || !fig.data) throw new Error("no plot to redraw");
       await P.react(gd, fig.data, fig.layout || {}, fig.config || {});
       model.send({ event: "drawn", seq });
-    }).catch(e => model.send({ event: "failed", seq, error: String(e) }));
+      // plotly's own first render of this output can finish after a catch-up draw and
+      // put its (older) figure back: look again, and draw the latest once more if so
+      if (fixes < 2)
+        for (const ms of [300, 1500, 5000])
+          setTimeout(() => {
+            const now = plotBeside(el);
+            if (!gone && model.get("seq") === seq && now && now.data !== fig.data)
+              draw(fixes + 1);
+          }, ms);
+    }).catch(e => model.send({ event: "failed", seq: model.get("seq"), error: String(e) }));
     return chain;
   };
-  const onSeq = () => { if (live && model.get("seq") > 0) draw(model.get("seq")); };
+  const onSeq = () => { if (live && model.get("seq") > 0) draw(); };
   model.on("change:seq", onSeq);
   (async () => {
     try {
       const P = await plotly();
-      const gd = P && await waitForPlot(el, 20000);
+      const gd = P && (await attached()) && await waitForPlot(el, 20000);
       if (!gd) return;  // never ready: the kernel keeps replacing the output
       live = true;
-      if (model.get("seq") > 0) await draw(model.get("seq"));  // a later view: catch up
+      if (model.get("seq") > 0) await draw();  // a later view: catch up
       model.send({ event: "ready", gen: model.get("gen") });
     } catch (e) {
       model.send({ event: "failed", seq: model.get("seq"), error: String(e) });
     }
   })();
-  return () => model.off("change:seq", onSeq);
+  return () => { gone = true; model.off("change:seq", onSeq); };
 }
 
 export default { render };

@@ -37,8 +37,8 @@ class LiveFigure(go.Figure, W.Output):
 
     Where the page allows it, a later figure is drawn in place instead (``Plotly.react`` on
     the plot already drawn, :mod:`._inplace`): the ``Output``'s second output is the small
-    widget that does it, ``outputs`` keeps the figure the page drew last by replacing, and
-    :meth:`shown` is the figure on display either way.
+    widget that does it; ``outputs`` follows in the kernel without being sent, so a page
+    loaded later starts from the latest figure.
 
     Use it as a ``go.Figure`` (``.data``, ``.layout``, ``update_layout``, ``go.Figure(fig)``
     for a plain copy) and as a widget (a child of a ``VBox``). ``.layout`` is plotly's: like
@@ -65,14 +65,20 @@ class LiveFigure(go.Figure, W.Output):
         if text == self._live_sent:
             return
         self._live_sent = text
+        title = self.layout.title.text or ""
         if self.inplace.can_draw():
             self.inplace.draw(bundle[PLOTLY_MIME])
+            # the kernel's copy of the output follows too, without a message: this page
+            # draws in place, and a page loaded later (a reload) starts from the latest
+            self._trait_values["outputs"] = self._outputs(bundle, title)
             return
-        self.inplace.replaced()
-        title = self.layout.title.text or ""
-        bundle["text/plain"] = f"<LiveFigure {title.split('<')[0].strip()!r}>"
-        self.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},
-                        self.inplace.view_output())
+        self.inplace.replaced()  # a new generation: the new value is always sent
+        self.outputs = self._outputs(bundle, title)
+
+    def _outputs(self, bundle: dict, title: str) -> tuple:
+        bundle = {**bundle, "text/plain": f"<LiveFigure {title.split('<')[0].strip()!r}>"}
+        return ({"output_type": "display_data", "data": bundle, "metadata": {}},
+                self.inplace.view_output())
 
     @property
     def inplace(self) -> InPlace:
@@ -80,9 +86,7 @@ class LiveFigure(go.Figure, W.Output):
         return self._inplace
 
     def shown(self) -> dict:
-        """The plotly JSON on display: the last figure drawn in place, else the output's."""
-        if self.inplace.seq:
-            return self.inplace.figure
+        """The plotly JSON on display (the output's, which follows in-place draws)."""
         return self.outputs[0]["data"][PLOTLY_MIME] if self.outputs else {}
 
     def _edited(self, *_args, **_kwargs) -> None:

@@ -121,6 +121,17 @@ def test_slider_drives_a_live_figure(selfcheck_server, browser_page, artifacts_d
 
     assert page.evaluate(_JS_MARKED)
     page.screenshot(path=str(artifacts_dir / "browser_selfcheck.png"))
+
+    # a reloaded page (same kernel) shows the latest figure, not the first one drawn
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1000)
+    page.reload()
+    open_notebook(page, selfcheck_server, "selfcheck.ipynb")
+    wait_plot(page)
+    reloaded = wait_plot_change(page, None, timeout=30, until=lambda d: d[0]["y"] == [5])
+    assert reloaded[0]["y"] == [5], reloaded
+    page.wait_for_timeout(1500)  # a catch-up draw by the new page must not go back either
+    assert plot_data(page)[0]["y"] == [5]
     print(f"browser self-check: {time.monotonic() - t0:.1f} s in the page")
 
 
