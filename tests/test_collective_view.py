@@ -51,6 +51,17 @@ def test_stepping_shows_partial_sums_and_arrows(view):
     json.loads(snap.to_json())  # a static figure nbval can store
 
 
+def test_the_legend_says_reduced_only_for_collectives_that_reduce(view):
+    assert "ranks reduced into the chunk" in view.fig.layout.title.text
+    assert "red = reduced into the destination" in view.fig.layout.title.text
+    for op in ("broadcast", "all_gather"):
+        view.set(op=op, step=1)
+        title = view.fig.layout.title.text
+        assert "reduced into" not in title and "nothing is reduced" in title, title
+    view.set(op="reduce_scatter", step=1)
+    assert "reduced into the destination" in view.fig.layout.title.text
+
+
 def test_changing_op_and_n_reruns_on_the_cluster(view):
     before = view.result
     view.op.value = "all_to_all"

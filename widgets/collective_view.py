@@ -33,6 +33,10 @@ _PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#
 _EMPTY = "—"
 
 
+#: the collectives whose messages are reduced into their destination
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+
+
 def _text(cell) -> str:
     if cell is None:
         return _EMPTY
@@ -132,16 +136,19 @@ def collective_frame(rec: Recording, step: int, transpose: bool = False) -> dict
                    colorbar=dict(title="from rank", tickvals=[r + 0.5 for r in range(n)],
                                  ticktext=[str(r) for r in range(n)]))
     else:
-        what = "colour = ranks reduced into the chunk"
+        what = ("colour = ranks reduced into the chunk" if rec.op in REDUCING else
+                "colour = ranks whose input the chunk holds (1: a copy)")
         cax = dict(colorscale="Blues", cmin=0, cmax=max(n, 1),
                    colorbar=dict(title="ranks in it", tickvals=list(range(1, n + 1)),
                                  ticktext=[str(k) for k in range(1, n + 1)]))
     if a2a:  # a2a z values are ranks 0 … n−1; centre each in its colour band
         inputs["z"] = [[None if v is None else v + 0.5 for v in row] for row in inputs["z"]]
         state["z"] = [[None if v is None else v + 0.5 for v in row] for row in state["z"]]
+    key = ("red = reduced into the destination" if rec.op in REDUCING
+           else "copies, nothing is reduced")
     title = (f"{rec.op} · {rec.algorithm} · N={n} · step {step}/{rec.steps}"
              f"{' · ' + phase if phase else ''}<br><sup>{what}; arrows: messages of this "
-             f"step (red = reduced into the destination)</sup>")
+             f"step ({key})</sup>")
     ticks = x_in + x_out
     layout = {"title.text": title, "coloraxis": cax,
               "xaxis.tickvals": ticks, "xaxis.ticktext": [f"chunk {i}" for i in range(c)] * 2,
