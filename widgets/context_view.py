@@ -87,7 +87,8 @@ class ContextParallelView(StaticFigure, W.VBox):
                                  layout=W.Layout(width="200px"))
         self.cp = W.IntSlider(value=cp or max(2, top), min=1, max=max(top, 2), description="cp",
                               tooltip="ranks sharing the sequence (context-parallel degree)",
-                              continuous_update=False, layout=W.Layout(width="220px"))
+                              continuous_update=False, layout=W.Layout(width="220px"),
+                              style={"description_width": "initial"})
         self.zigzag = W.Checkbox(value=zigzag, description="zigzag", indent=False,
                                  tooltip="zigzag chunk order: every rank gets an early and a "
                                          "late chunk (balanced causal work)",

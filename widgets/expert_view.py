@@ -180,7 +180,8 @@ class ExpertView(StaticFigure, W.VBox):
                                    layout=W.Layout(width="180px"))
         self.top_k = W.IntSlider(value=1, min=1, max=1, description="top-k",
                                  tooltip="experts per token (re-runs training)",
-                                 continuous_update=False, layout=W.Layout(width="220px"))
+                                 continuous_update=False, layout=W.Layout(width="220px"),
+                                 style={"description_width": "initial"})
         self.status, self.info = W.HTML(), W.HTML()
         self.fig = _base_figure()
         self.step.observe(lambda _c: self._on_step(), names="value")

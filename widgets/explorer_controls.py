@@ -94,7 +94,8 @@ KNOBS: tuple = (
     Knob("zero_stage", "ZeRO", "toggle", _fixed(0, 1, 2, 3),
          "0 replicate all; 1 shard optimizer state; 2 + gradients; 3 + parameters (FSDP)"),
     Knob("hsdp_replicas", "HSDP M", "slider", _upto,
-         "HSDP: M replica groups of dp/M shards each (ZeRO 1-3); 1 = shard over all dp"),
+         "HSDP: M replica groups of dp/M shards each (ZeRO 1-3); 1 = shard over all dp",
+         "280px"),
     Knob("prefetch", "prefetch", "check", _fixed(True, False),
          "ZeRO-3: issue the next unit's all-gather before computing this one", "110px"),
     Knob("dp_mode", "sync", "toggle", _fixed("ddp", "naive"),
@@ -105,10 +106,10 @@ KNOBS: tuple = (
          "slice of the layers"),
     Knob("schedule", "schedule", "dropdown", _schedules, "pipeline schedule", "190px"),
     Knob("microbatches", "microbatches M", "slider", _batch_divisors,
-         "microbatches per pipeline flush; 'auto' = all of a step's in one flush"),
+         "microbatches per pipeline flush; 'auto' = all of a step's in one flush", "300px"),
     Knob("virtual_stages", "virtual stages V", "slider",
          _fixed(AUTO, 1, 2, 3, 4), "stages per pipeline rank; 'auto' = what the schedule "
-         "needs (interleaved 2, ZB-V 2, the others 1)"),
+         "needs (interleaved 2, ZB-V 2, the others 1)", "300px"),
     Knob("checkpoint", "recompute", "toggle", _policies,
          "activation checkpointing: none; full = recompute each block; selective = "
          "recompute attention and element-wise ops"),
@@ -318,6 +319,6 @@ def unavailable_html(avail: dict, cfg: RunConfig, world_size: int) -> str:
         return ""
     # one reason per line, the refused values first, then the knobs with no effect
     return ("<details open class='labkit-unavailable' style='font-size:11px;color:#555;"
-            "max-height:10em;overflow-y:auto;line-height:1.35'><summary>unavailable now, in "
+            "max-height:calc(8 * 1.35em + 2px);overflow-y:auto;line-height:1.35'><summary>unavailable now, in "
             "validate's words</summary><ul style='margin:2px 0;padding-left:18px'>"
             + "".join(lines + greyed) + "</ul></details>")

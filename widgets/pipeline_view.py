@@ -213,7 +213,10 @@ class PipelineView(StaticFigure, W.VBox):
         self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
         max_p = cluster.world_size if cluster is not None else 8
-        opts = dict(continuous_update=False, style={"description_width": "60px"})
+        # a slider wide enough to drag (the row wraps on a narrow cell instead of
+        # squeezing four controls into one line)
+        opts = dict(continuous_update=False, style={"description_width": "30px"},
+                    layout=W.Layout(width="210px"))
         self.controls = {
             "schedule": W.Dropdown(options=list(SCHEDULES), value=schedule,
                                    description="schedule", tooltip="pipeline schedule"),
@@ -238,7 +241,9 @@ class PipelineView(StaticFigure, W.VBox):
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.time.observe(lambda ch: self._draw(), names="value")
-        self.children = [W.HBox(list(self.controls.values())), W.HBox([self.play, self.time]),
+        self.children = [W.HBox(list(self.controls.values()),
+                                layout=W.Layout(flex_flow="row wrap")),
+                         W.HBox([self.play, self.time]),
                          self.status, self.fig]
         if result is not None:
             self.update(result)

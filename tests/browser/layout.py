@@ -8,6 +8,7 @@ outputs: ``{"cell", "output", "kind", "detail", "explorer"}`` where kind is
   (``scrollWidth > clientWidth``, or the option text wider than its ``<select>``);
 * ``"null tooltip"`` — a visible element carries ``title="null"`` (a "null" tooltip on
   hover);
+* ``"short slider"`` — a slider whose track is under 60 px (too short to drag by hand);
 * ``"wrapped line"`` — a printed line broke onto a second line (JupyterLab wraps long
   stream lines anywhere, mid-word too);
 * ``"clipped text"`` — a plotly text element (tick label, title, legend entry) extends past
@@ -68,6 +69,11 @@ _JS_PROBLEMS = r"""() => {
                      + parseFloat(cs.paddingRight);
         if (need > sel.clientWidth + 1)
           add('truncated label', `option "${opt.text}" needs ${Math.round(need)} px, has ${sel.clientWidth} px`);
+      }
+      for (const track of o.querySelectorAll('.widget-slider .noUi-target')) {
+        const r = track.getBoundingClientRect();  // a slider too short to drag by hand
+        if (r.width > 0 && r.width < 60)
+          add('short slider', `a slider track of ${Math.round(r.width)} px`);
       }
       for (const el of o.querySelectorAll('[title="null"]')) {
         const r = el.getBoundingClientRect();  // an empty, collapsed label cannot be hovered
