@@ -231,7 +231,7 @@ class RunConfig:
         compile: ``torch.compile`` each transformer block.
         impl: ``"labkit"`` or ``"torch"``: PyTorch's own counterpart of the one parallelism
             in use (DDP, FSDP2 ``fully_shard``, ``torch.distributed.pipelining``), the
-            parity and speed reference.
+            parity and speed reference; refused with ``ep > 1``.
         measure_memory: track memory by category in the last step.
         count_flops: count FLOPs with torch's counter (cached per shape) for MFU.
         timeout_s: seconds before a hung job is cancelled.
