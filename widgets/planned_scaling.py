@@ -12,10 +12,10 @@
 * the planner plans bf16 mixed precision with fp32 gradients (runtime ``llama3-2024``)
   whatever the lab's precision, and context parallelism as Llama 3's all-gather of K and V.
 
-What the planner does not model is refused, naming it: the zero-bubble schedules, expert
-parallelism, HSDP under ZeRO-1/2, segments of more than one block for
-``checkpoint="every"``; :func:`labkit.plan.estimate` refuses the rest (e.g. ``tp`` not
-dividing the heads).
+What the planner does not model is refused, naming it: the zero-bubble schedules, HSDP
+under ZeRO-1/2, segments of more than one block for ``checkpoint="every"``;
+:func:`labkit.plan.estimate` refuses the rest (e.g. ``tp`` not dividing the heads, or the
+lab's ``ep`` on a dense model: the offered models have no experts).
 """
 from __future__ import annotations
 
