@@ -36,8 +36,10 @@ class ModelConfig:
         n_experts: mixture-of-experts: each block's MLP becomes ``n_experts`` SwiGLU experts
             of hidden size ``ffn_dim`` and a router (Shazeer et al. 2017; Fedus et al. 2022,
             Switch Transformer); ``0`` keeps the dense MLP.
-        top_k: experts each token is sent to (1 = Switch, 2 = GShard/Mixtral); their router
-            probabilities are renormalised over the chosen ``top_k``.
+        top_k: experts each token is sent to (1 = Switch, 2 = GShard/Mixtral). Top-1 scales
+            the expert output by its router probability (Switch Transformer §2.1); top-k ≥ 2
+            renormalises the chosen probabilities to sum to 1 (Mixtral, Jiang et al. 2024
+            §2.1).
         capacity_factor: each token group may send at most
             ``ceil(capacity_factor · top_k · tokens / n_experts)`` tokens to one expert; the
             rest are dropped (their residual passes through). ``None``: nothing is dropped.
@@ -229,7 +231,7 @@ class RunConfig:
         compile: ``torch.compile`` each transformer block.
         impl: ``"labkit"`` or ``"torch"``: PyTorch's own counterpart of the one parallelism
             in use (DDP, FSDP2 ``fully_shard``, ``torch.distributed.pipelining``), the
-            parity and speed reference.
+            parity and speed reference; refused with ``ep > 1``.
         measure_memory: track memory by category in the last step.
         count_flops: count FLOPs with torch's counter (cached per shape) for MFU.
         timeout_s: seconds before a hung job is cancelled.

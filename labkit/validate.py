@@ -18,7 +18,8 @@ before any rank process is touched (DESIGN.md §3). The rules, in the order they
 6. **Composition**: a field the composition cannot honour is refused, never ignored —
    ZeRO knobs without ZeRO, pipeline knobs without a pipeline, DDP knobs with ZeRO, the
    zero-bubble ``W`` pass with ZeRO's flat units, PyTorch references for more than one
-   parallelism at a time.
+   parallelism at a time or with ``ep > 1`` (their wrappers take every parameter as
+   replicated).
 """
 from __future__ import annotations
 
@@ -256,6 +257,13 @@ def _composition(cfg, mc) -> None:
                              f"{' and '.join(used) or 'none'} (PyTorch's tensor parallelism "
                              "is compared in tests/test_tensor_parallel.py; its context "
                              "parallelism does not run on CPU)")
+        if p.ep > 1:
+            # DDP would broadcast rank 0's experts over the others' and average different
+            # experts; FSDP2 would shard each rank's expert slice as if it were replicated
+            raise ValueError(f"impl='torch' with ep={p.ep}: PyTorch's DDP and FSDP2 treat "
+                             f"every parameter as replicated over the {p.dp} data ranks, but "
+                             f"each rank holds {mc.n_experts // p.ep} of the {mc.n_experts} "
+                             "experts of a layer; use ep=1 or impl='labkit'")
         if z in (1, 2):
             raise ValueError(f"impl='torch' has no ZeRO-{z}: PyTorch's references are DDP "
                              "(zero_stage=0) and FSDP2 fully_shard (zero_stage=3)")

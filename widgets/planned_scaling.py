@@ -12,10 +12,10 @@
 * the planner plans bf16 mixed precision with fp32 gradients (runtime ``llama3-2024``)
   whatever the lab's precision, and context parallelism as Llama 3's all-gather of K and V.
 
-What the planner does not model is refused, naming it: the zero-bubble schedules, expert
-parallelism, HSDP under ZeRO-1/2, segments of more than one block for
-``checkpoint="every"``; :func:`labkit.plan.estimate` refuses the rest (e.g. ``tp`` not
-dividing the heads).
+What the planner does not model is refused, naming it: the zero-bubble schedules, HSDP
+under ZeRO-1/2, segments of more than one block for ``checkpoint="every"``;
+:func:`labkit.plan.estimate` refuses the rest (e.g. ``tp`` not dividing the heads, or the
+lab's ``ep`` on a dense model: the offered models have no experts).
 """
 from __future__ import annotations
 
@@ -52,8 +52,6 @@ def scale(cfg, n_gpus: int) -> tuple:
             numbers).
     """
     p = cfg.parallel
-    if p.ep > 1:
-        raise ValueError(f"ep={p.ep}: the planner has no expert parallelism")
     inner = p.tp * p.cp * p.pp
     if n_gpus % inner:
         raise ValueError(f"dp fills the GPUs: {n_gpus:,} GPUs / (tp x cp x pp = {p.tp} x "
@@ -76,7 +74,9 @@ def scale(cfg, n_gpus: int) -> tuple:
                              "every block or none")
         ckpt = "full"
     m = cfg.flush_microbatches
-    mesh = Mesh(pp=p.pp, dp_replicate=replicas, dp_shard=dp // replicas, cp=p.cp, tp=p.tp)
+    # ep as in the lab: the planner refuses it for a dense model, naming the model
+    mesh = Mesh(pp=p.pp, dp_replicate=replicas, dp_shard=dp // replicas, cp=p.cp, tp=p.tp,
+                ep=p.ep)
     lay = layout_from_mesh(mesh, zero=zero, microbatch=1, global_batch=dp * m,
                            schedule=sched, checkpoint=ckpt,
                            virtual_stages=cfg.stages_per_rank if sched == "interleaved" else 1,

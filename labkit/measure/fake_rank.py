@@ -272,7 +272,7 @@ def _layout(cfg):
                   seq_len=cfg.model_config.seq_len, schedule=sched or "1f1b",
                   virtual_stages=cfg.stages_per_rank if p.pp > 1 and sched == "interleaved"
                   else 1, checkpoint=ckpt[cfg.checkpoint],
-                  sequence_parallel=cfg.sequence_parallel, order=MESH_ORDER)
+                  sequence_parallel=cfg.sequence_parallel, order=MESH_ORDER, ep=p.ep)
 
 
 def planned_rank_memory(cfg, rank: int = 0) -> dict:

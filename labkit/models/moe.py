@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward: a router and ``E`` SwiGLU experts (the dense reference).
 
-* Router: a bias-free linear map ``H → E``; the routing itself (softmax, top-k,
-  renormalised weights, the Switch/GShard load-balancing loss, capacity and GShard's drop
-  order) is :mod:`labkit.models.router`.
+* Router: a bias-free linear map ``H → E``; the routing itself (softmax, top-k, the
+  combine weights: ``p`` for top-1, renormalised for top-k ≥ 2; the Switch/GShard
+  load-balancing loss, capacity and GShard's drop order) is :mod:`labkit.models.router`.
 * Experts: ``E`` SwiGLU MLPs (Shazeer 2020, eq. 6) with stacked weights ``w1``/``w3``
   ``(E, F, H)`` and ``w2`` ``(E, H, F)``: expert ``e`` is ``SwiGLU`` with ``w1.weight =
   w1[e]``. Expert parallelism keeps a slice ``[first, first + n_local)`` of them per rank.

@@ -1,9 +1,14 @@
 """Routing for the mixture-of-experts layer: which experts each token goes to, with what
 weight, which choices a capacity drops, and the load-balancing loss, per token group.
 
-* Router probabilities (Shazeer et al. 2017, §2.1; Fedus et al. 2022, Switch Transformer
-  §2.1): a softmax over the ``E`` experts in fp32, the ``top_k`` largest, renormalised so a
-  token's ``k`` weights sum to 1.
+* Router probabilities (Shazeer et al. 2017, §2.1): a softmax over the ``E`` experts in
+  fp32 and its ``top_k`` largest.
+* Combine weights: with ``top_k = 1`` the expert output is scaled by the router probability
+  ``p`` itself (Switch Transformer, Fedus et al. 2022, §2.1: ``y = p_i(x) E_i(x)``), which
+  is how the language-model loss reaches the router; renormalising one probability would
+  make it 1.0 and cut that path. With ``top_k ≥ 2`` the chosen probabilities are
+  renormalised to sum to 1 (Mixtral, Jiang et al. 2024, §2.1: softmax over the top-k
+  logits, which is the same thing). Capacity-limited top-1 keeps the ``p`` weight.
 * Load-balancing loss per group ``g`` (Switch §2.2, eq. 4; GShard, Lepikhin et al. 2020,
   §2.2): ``aux_g = E · Σ_e f_e · P_e``, ``f_e`` the fraction of the group's ``T_g · k``
   choices that picked ``e`` (before any dropping), ``P_e`` the mean probability of ``e`` over
@@ -63,8 +68,9 @@ class Routing:
     """One forward's routing decision over ``T`` tokens and ``G`` groups.
 
     ``probs`` ``(T, E)`` fp32 softmax; ``experts`` ``(T, k)`` int64 chosen experts (largest
-    probability first); ``weights`` ``(T, k)`` fp32, the chosen probabilities renormalised to
-    sum to 1; ``keep`` ``(T, k)`` bool, False for a choice dropped by the capacity;
+    probability first); ``weights`` ``(T, k)`` fp32, the combine weights: the chosen
+    probability itself for ``k = 1`` (Switch §2.1; below 1), the chosen probabilities
+    renormalised to sum to 1 for ``k ≥ 2`` (Mixtral §2.1); ``keep`` ``(T, k)`` bool, False for a choice dropped by the capacity;
     ``groups`` ``(T,)`` int64 group of each token; ``aux`` the differentiable aux loss;
     ``stats`` the detached record.
     """
@@ -80,14 +86,18 @@ class Routing:
 
 def route(logits: torch.Tensor, top_k: int, capacity_factor: Optional[float],
           groups: torch.Tensor, n_groups: int, layer: Optional[int] = None) -> Routing:
-    """Softmax, top-k, renormalisation, aux loss and capacity for router ``logits`` ``(T, E)``.
+    """Softmax, top-k, combine weights, aux loss and capacity for router ``logits`` ``(T, E)``.
 
-    ``groups`` ``(T,)`` int64 in ``[0, n_groups)``: the token group of each row.
+    ``groups`` ``(T,)`` int64 in ``[0, n_groups)``: the token group of each row. The
+    weights are ``p`` for ``top_k = 1`` (Switch §2.1) and renormalised over the chosen
+    ``top_k ≥ 2`` (Mixtral §2.1); see :class:`Routing`.
     """
     t, e = logits.shape
     probs = logits.float().softmax(dim=-1)
     top_p, experts = probs.topk(top_k, dim=-1)
-    weights = top_p / top_p.sum(dim=-1, keepdim=True)
+    # top-1 keeps p so the token loss has a path to the router (Switch §2.1); k >= 2
+    # renormalises, the relative sizes of the chosen p carrying that path (Mixtral §2.1)
+    weights = top_p if top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
     tokens = torch.bincount(groups, minlength=n_groups)
     key = groups[:, None] * e + experts                       # (T, k): (group, expert)
     counts = torch.bincount(key.reshape(-1), minlength=n_groups * e).view(n_groups, e)

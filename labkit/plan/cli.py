@@ -100,6 +100,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                      help="no sequence parallelism")
     lay.add_argument("--dp-shard", type=int, default=None,
                      help="HSDP: ZeRO-3 inside groups of this many data-parallel ranks")
+    lay.add_argument("--ep", type=int, default=1, help="expert parallelism over the dp x cp "
+                     "ranks (mixture-of-experts models; default 1)")
     lay.add_argument("--terms", action="store_true", help="print every term with its "
                      "formula and source")
     lay.set_defaults(func=cmd_layout)
@@ -134,7 +136,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama3-8b", help="model preset (labkit plan presets)")
     p.add_argument("--cluster", default="h100-server", help="cluster preset")
-    p.add_argument("--runtime", default="llama3-2024", help="llama3-2024 or megatron-2021")
+    p.add_argument("--runtime", default="llama3-2024", help="llama3-2024, megatron-2021 or "
+                   "labkit-fp32 (labkit's own job)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: 8 per data-parallel rank)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
@@ -193,7 +196,7 @@ def cmd_layout(args) -> int:
                      microbatch=args.microbatch, global_batch=gb, seq_len=args.seq_len,
                      schedule=args.schedule, virtual_stages=args.virtual_stages,
                      checkpoint=args.checkpoint, sequence_parallel=args.sp,
-                     dp_shard=args.dp_shard)
+                     dp_shard=args.dp_shard, ep=args.ep)
         plan = estimate(args.model, args.cluster, lay, args.runtime, args.memory_limit)
     except ValueError as exc:
         return _fail(exc)

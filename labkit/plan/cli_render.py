@@ -16,7 +16,8 @@ def layout_label(lay) -> str:
     sched = "" if lay.pp == 1 else (
         f" · {lay.schedule}" + (f" V{lay.virtual_stages}" if lay.virtual_stages > 1 else ""))
     hs = f" · HSDP {lay.dp_shard}" if lay.dp_shard else ""
-    return (f"tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp} · ZeRO-{lay.zero}{hs} · "
+    ep = f" ep{lay.ep}" if getattr(lay, "ep", 1) > 1 else ""
+    return (f"tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}{ep} · ZeRO-{lay.zero}{hs} · "
             f"b{lay.microbatch}{sched} · {lay.checkpoint}" + (" · SP" if lay.sp else ""))
 
 
@@ -34,6 +35,8 @@ def render_plan(console, plan, terms: bool = False) -> None:
                   f"runtime {plan.runtime.name}")
     console.print(f"layout {layout_label(lay)} · global batch {lay.global_batch} sequences, "
                   f"{lay.microbatches} microbatches · coordinates [TP, CP, PP, DP]")
+    if m.moe:
+        _render_experts(console, plan)
     t = Table(title=f"memory per GPU (pipeline rank {plan.memory_rank})")
     for col in ("category", "GiB", "% of limit"):
         t.add_column(col, justify="left" if col == "category" else "right")
@@ -75,6 +78,22 @@ def render_plan(console, plan, terms: bool = False) -> None:
         for k, v in plan.terms.items():
             tt.add_row(k, f"{v.value:.4g}", v.unit, v.formula, v.source)
         console.print(tt)
+
+
+def _render_experts(console, plan) -> None:
+    """The mixture-of-experts lines: experts, top-k, router, parameters, all-to-all bytes."""
+    m, lay, tk = plan.model, plan.layout, plan.terms
+    console.print(f"mixture of experts: {m.n_experts} experts per block, top-{m.top_k}, "
+                  f"router {m.d_model}×{m.n_experts}; {m.params:,} parameters in all, "
+                  f"{m.layer_matmul_params:,} of a block's active per token (router + "
+                  f"{m.top_k} experts); ep={lay.ep}: {m.n_experts // lay.ep} experts of each "
+                  f"block per GPU, {plan.rank_params[plan.memory_rank]:,.0f} parameters on "
+                  f"pipeline rank {plan.memory_rank}")
+    if "moe.all_to_all.total" in tk:
+        console.print("all-to-all per MoE layer and microbatch (balanced routing): dispatch "
+                      f"{tk['moe.all_to_all.dispatch'].value:,.0f} B + combine "
+                      f"{tk['moe.all_to_all.combine'].value:,.0f} B (forward + backward) + "
+                      f"counts {tk['moe.all_to_all.counts'].value:,.0f} B per GPU")
 
 
 def render_search(console, res, args) -> None:

@@ -22,7 +22,7 @@ so that ``busbw`` is comparable with the link's hardware bandwidth for every col
 from __future__ import annotations
 
 __all__ = ["COLLECTIVES", "normalize_collective", "busbw_factor", "comm_bytes",
-           "dp_step_comm_bytes"]
+           "dp_step_comm_bytes", "expert_all_to_all_bytes"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                "reduce", "send_recv")
@@ -105,3 +105,54 @@ def dp_step_comm_bytes(n_params: float, n_ranks: int, bytes_per_elem: int = 4,
         return 2 * comm_bytes("all_gather", size, n_ranks) + comm_bytes("reduce_scatter", size,
                                                                         n_ranks)
     return comm_bytes("all_reduce", size, n_ranks)
+
+
+def expert_all_to_all_bytes(tokens: int, d_model: int, top_k: int, n_experts: int, ep: int,
+                            bytes_per_elem: int = 4, sent_fraction: float | None = None,
+                            recompute: bool = False) -> dict[str, float]:
+    """Bytes one rank sends in the all-to-alls of ONE mixture-of-experts layer for one
+    microbatch of ``tokens`` tokens, under expert parallelism over ``ep`` ranks.
+
+    The token dispatcher (GShard, Lepikhin et al. 2020 §3.2; Megatron-Core's all-to-all
+    dispatcher; :mod:`labkit.parallel.expert.dispatch`) moves a token's ``k`` routed rows of
+    ``h`` elements to the ranks holding their experts and back:
+
+    * ``counts``: an all-to-all of the ``E`` int64 per-expert counts, each forward:
+      ``(ep−1)/ep · E · 8`` bytes;
+    * ``dispatch``: forward, the rows bound for other ranks, ``f · T·k · h · b``; backward
+      (the reverse all-to-all) the gradients of the rows other ranks sent here, the same
+      under balanced traffic;
+    * ``combine``: forward, the expert outputs returned to their senders; backward, their
+      gradients sent to the experts: again ``2 · f · T·k · h · b``.
+
+    ``f`` is ``sent_fraction``, the share of this rank's ``T·k`` rows whose expert lives
+    on another rank: ``(ep−1)/ep`` for balanced routing (the default); a measured value
+    (rows to other ranks over ``T·k``, dropped rows excluded) reproduces a run. The
+    backward halves assume the rank receives as many rows as it sends, which holds for the
+    sum over the ``ep`` ranks. ``recompute``: activation checkpointing repeats the forward
+    all-to-alls (counts, dispatch and combine) in backward. ``b`` is ``bytes_per_elem``
+    (2 under bf16 autocast: the rows move at that width).
+
+    Returns:
+        ``{"counts", "dispatch", "combine", "total"}`` in bytes.
+
+    Raises:
+        ValueError: a non-positive size, ``ep`` not dividing ``n_experts``, ``top_k`` above
+            ``n_experts``, or ``sent_fraction`` outside ``[0, 1]``.
+    """
+    for name, v in (("tokens", tokens), ("d_model", d_model), ("top_k", top_k),
+                    ("n_experts", n_experts), ("ep", ep), ("bytes_per_elem", bytes_per_elem)):
+        if isinstance(v, bool) or int(v) != v or v < (0 if name == "tokens" else 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n_experts % ep or top_k > n_experts:
+        raise ValueError(f"ep={ep} must divide n_experts={n_experts} and top_k={top_k} "
+                         "must not exceed it")
+    f = (ep - 1) / ep if sent_fraction is None else float(sent_fraction)
+    if not 0.0 <= f <= 1.0 or (ep == 1 and f):
+        raise ValueError(f"sent_fraction must be in [0, 1] (0 with ep=1), got {sent_fraction!r}")
+    passes = 2 if recompute else 1                  # forwards that run the all-to-alls
+    rows = f * tokens * top_k * d_model * bytes_per_elem
+    counts = passes * (ep - 1) / ep * n_experts * 8
+    dispatch = combine = (passes + 1) * rows      # the forward(s) and one backward
+    return {"counts": counts, "dispatch": dispatch, "combine": combine,
+            "total": counts + dispatch + combine}

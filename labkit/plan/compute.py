@@ -15,6 +15,9 @@ move; its time is the larger of the two limits (Williams et al. 2009, "Roofline"
   ``P·V`` as batched GEMMs, the fused scale–mask–softmax (read + write the scores) and the
   dropout (read, write, 1-byte mask); flash — one fused kernel, ``4·b·(a/t)·s_q·s_kv·d``
   FLOPs, reading Q, K, V and writing O only (Dao et al. 2022).
+* mixture of experts (``E`` experts, top-``k``): the router GEMM ``(T, h, E)`` and the
+  MLP GEMMs over the ``T·k`` routed rows with every expert's weights (whole on every tp
+  rank, ``E/ep`` of them on the rank: balanced routing gives each rank ``T·k`` rows).
 * memory-bound kernels: two norms (``4Tn`` bytes each), two residual adds (``6Tn``; with
   dropout fused in, ``7Tn``), the activation (GELU ``4T·f/t``, SwiGLU ``6T·f/t``), rotary
   on Q and K.
@@ -27,7 +30,7 @@ of them (``full``) or the attention core (``selective``, Korthikanti et al. 2022
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from labkit.plan.runtime import MEMORY_EFFICIENCY
 
@@ -51,10 +54,10 @@ def _gemm(name: str, m: float, k: float, n: float, core: bool = False) -> Op:
     return Op(name, "gemm", 2.0 * m * k * n, 2.0 * (m * k + k * n + m * n), core)
 
 
-def layer_ops(model, b: int, s_local: int, s_kv: int, tp: int = 1, sp: bool = False
-              ) -> list[Op]:
+def layer_ops(model, b: int, s_local: int, s_kv: int, tp: int = 1, sp: bool = False,
+              ep: int = 1) -> list[Op]:
     """The forward kernels of one layer for ``b`` sequences of ``s_local`` query tokens
-    attending over ``s_kv`` keys, on one of ``tp`` ranks."""
+    attending over ``s_kv`` keys, on one of ``tp`` ranks (and ``ep`` for the experts)."""
     h, f, d = model.d_model, model.d_ff, model.head_dim
     kv = max(model.kv_dim / tp, d)
     T = b * s_local
@@ -78,7 +81,16 @@ def layer_ops(model, b: int, s_local: int, s_kv: int, tp: int = 1, sp: bool = Fa
     residual = 7 * tn if model.dropout else 6 * tn
     ops += [_gemm("proj", T, h / tp, h), Op("residual1", "memory", 0.0, residual),
             Op("norm2", "memory", 0.0, 4 * tn)]
-    if model.mlp == "gelu":
+    if getattr(model, "n_experts", 0):
+        rows, local = T * model.top_k, model.n_experts / ep
+        ops += [_gemm("router", T, h, model.n_experts)]
+        width = f if model.mlp == "gelu" else 2 * f
+        up, down = _gemm("experts_up", rows, h, width), _gemm("experts_down", rows, f, h)
+        # every local expert's weights are read once, not once per row
+        ops += [replace(up, bytes=up.bytes + 2 * (local - 1) * h * width),
+                Op("expert_act", "memory", 0.0, (4 if model.mlp == "gelu" else 6) * rows * f),
+                replace(down, bytes=down.bytes + 2 * (local - 1) * f * h)]
+    elif model.mlp == "gelu":
         ops += [_gemm("fc1", T, h, f / tp), Op("gelu", "memory", 0.0, 4 * T * f / tp),
                 _gemm("fc2", T, f / tp, h)]
     else:

@@ -4,13 +4,17 @@
 and source, so a notebook can print the derivation:
 
 * **memory** of each pipeline rank by category (:func:`labkit.plan.memory.rank_memory`):
-  parameters, gradients, Adam state under the ZeRO stage; activations with the chosen
-  recomputation and the schedule's microbatches in flight
+  parameters, gradients, Adam state under the ZeRO stage (with experts: ``E/ep`` of each
+  block's experts per rank, their state sharded over ``ep`` and, if the runtime's ZeRO
+  covers them, over their expert-data group; the rest over the ZeRO group); activations
+  with the chosen recomputation and the schedule's microbatches in flight
   (:mod:`labkit.plan.activations`); communication buffers. The fullest rank decides
   whether the layout fits.
 * **time** of a step (:mod:`labkit.plan.steptime`): per-layer roofline compute, each axis's
   collectives on the hierarchy level its group spans (:mod:`labkit.plan.network`), the
   pipeline bubble, the exposed data-parallel traffic, the optimizer.
+* **all-to-all bytes** of each mixture-of-experts layer under ``ep > 1``
+  (:func:`labkit.plan.comm.expert_all_to_all_bytes`, balanced routing), in ``terms``.
 * **MFU** (Chowdhery et al. 2022, Appendix B) = model FLOPs per step / (step time · GPUs ·
   peak), model FLOPs from :meth:`PlanModel.flops_per_token`; **HFU** adds recomputation
   (Korthikanti et al. 2022 §6).
@@ -21,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
 from labkit.plan.activations import activation_bytes_per_rank
+from labkit.plan.experts import expert_params, expert_terms
 from labkit.plan.hardware import ClusterSpec, GiB, cluster_preset
 from labkit.plan.layout import Layout, stage_layers
 from labkit.plan.memory import rank_memory
@@ -58,6 +63,9 @@ class Plan:
         mfu, hfu: model / hardware FLOP utilisation.
         terms: every number by name, with formula and source.
         reasons: why the layout fails (empty when it fits).
+        rank_params: parameters one GPU of each pipeline rank holds before ZeRO sharding
+            (its tp slice, its ``E/ep`` experts).
+        stage_memory: ``memory``'s dict for every pipeline rank.
     """
 
     model: PlanModel
@@ -74,6 +82,8 @@ class Plan:
     hfu: float
     terms: dict = field(repr=False)
     reasons: tuple = ()
+    rank_params: tuple = ()
+    stage_memory: tuple = field(default=(), repr=False)
 
     @property
     def fits(self) -> bool:
@@ -100,10 +110,16 @@ class Plan:
 
 
 def _local_params(model: PlanModel, layout: Layout, layers: list[int]) -> tuple[list, float]:
-    """Parameters of each pipeline rank on one TP rank, and of one layer."""
+    """Parameters of each pipeline rank on one TP rank, and of one layer.
+
+    Attention (and a dense MLP) is split over ``tp``; norms are whole; a router and the
+    experts stay whole on every tp rank (labkit's tensor parallelism) and the experts are
+    split over ``ep``."""
     t, h = layout.tp, model.d_model
     norms = 2 * (h if model.norm == "rmsnorm" else 2 * h)
-    per_layer = (model.layer_params - norms) / t + norms
+    moe = model.router_params + model.layer_expert_params
+    per_layer = ((model.layer_params - norms - moe) / t + norms + model.router_params
+                 + model.layer_expert_params / layout.ep)
     emb = model.vocab_size * h / t + (model.seq_len * h if model.learned_positions else 0)
     head = model.vocab_size * h / t if (not model.tie_embeddings or layout.pp > 1) else 0
     out = [n * per_layer for n in layers]
@@ -165,7 +181,11 @@ def estimate(model: Union[str, PlanModel], cluster: Union[str, ClusterSpec], lay
     act = activation_bytes_per_rank(m, layout, layers)
     buf = _buffers(m, layout, r, per_layer)
     shard = layout.shard_group if z == 3 else layout.dp * layout.cp
-    ranks = [rank_memory(params[i], z, shard, r.grad_bytes, act["per_rank"][i], buf)
+    # with ep > 1 the experts of a rank are held by dp·cp/ep ranks (the expert-data group)
+    experts = expert_params(m, layout, layers) if layout.ep > 1 else [0.0] * p
+    edp = layout.dp * layout.cp // layout.ep if r.zero_shards_experts else 1
+    ranks = [rank_memory(params[i], z, shard, r.grad_bytes, act["per_rank"][i], buf,
+                         r.param_bytes, r.optimizer_bytes, experts[i], edp)
              for i in range(p)]
     mem_rank = max(range(p), key=lambda i: ranks[i]["total"])
     memory = ranks[mem_rank]
@@ -189,8 +209,10 @@ def estimate(model: Union[str, PlanModel], cluster: Union[str, ClusterSpec], lay
         comm = {}
     terms = _terms(m, c, layout, r, params, memory, mem_rank, limit, act, buf, st, mfu, hfu) \
         if detail else {}
+    if detail and m.moe:
+        terms.update(expert_terms(m, layout, r, layers, mem_rank))
     return Plan(m, c, layout, r, memory, mem_rank, limit, comm, bubble, step, mfu, hfu, terms,
-                reasons)
+                reasons, tuple(params), tuple(ranks))
 
 
 def _terms(m, c, layout, r, params, memory, mem_rank, limit, act, buf, st, mfu, hfu) -> dict:
@@ -207,12 +229,18 @@ def _terms(m, c, layout, r, params, memory, mem_rank, limit, act, buf, st, mfu, 
     term("params_per_gpu", params[mem_rank], "params",
          "layers_i · N_layer / tp (+ embedding / head on the first / last rank)",
          "Shoeybi et al. 2019 (Megatron) partition of weights")
-    term("memory.parameters", memory["parameters"], "bytes", "2·P" + (" / shard" * (z == 3)),
-         "16-bit weights; ZeRO §5.1 (Rajbhandari et al. 2020)")
+    ex = " (experts: / edp when ep > 1)" if layout.ep > 1 and r.zero_shards_experts else (
+        " (experts with ep > 1: whole)" if layout.ep > 1 else "")
+    term("memory.parameters", memory["parameters"], "bytes",
+         f"{r.param_bytes}·P" + (" / shard" + ex) * (z == 3),
+         f"{r.param_bytes * 8}-bit weights; ZeRO §5.1 (Rajbhandari et al. 2020)")
     term("memory.gradients", memory["gradients"], "bytes",
-         f"{r.grad_bytes}·P" + (" / shard" * (z >= 2)), r.source)
-    term("memory.optimizer", memory["optimizer"], "bytes", "12·P" + (" / shard" * (z >= 1)),
-         "fp32 master + Adam m, v (ZeRO §5.1, K = 12)")
+         f"{r.grad_bytes}·P" + (" / shard" + ex) * (z >= 2), r.source)
+    term("memory.optimizer", memory["optimizer"], "bytes",
+         f"{r.optimizer_bytes}·P" + (" / shard" + ex) * (z >= 1),
+         ("fp32 master + Adam m, v (ZeRO §5.1, K = 12)" if r.optimizer_bytes == 12 else
+          "Adam m, v over fp32 weights") + "; not counted: torch's Adam keeps a 4-byte step "
+         "count per parameter tensor (per flat unit under ZeRO)")
     term("memory.activations", memory["activations"], "bytes",
          "kept_per_layer · layers_i · in_flight_i (+ one rebuilt layer under full "
          "recomputation, + fp32 logits 4·T·V/t on the last rank)", _KOR)

@@ -4,7 +4,10 @@ A :class:`Layout` is pure data; :meth:`Layout.check` raises ``ValueError`` namin
 and the numbers when the layout cannot run the model (DESIGN §9 "validate once"):
 heads, key/value heads and MLP width divisible by ``tp``; sequence by ``cp``; layers at
 least ``pp · V``; the global batch divisible by ``dp · microbatch`` — the batch is a budget
-that data parallelism and pipeline microbatches share (claim C38).
+that data parallelism and pipeline microbatches share (claim C38). Expert parallelism
+``ep`` is a view over the ``dp·cp`` ranks, as in labkit's mesh (:mod:`labkit.mesh`): it
+adds no GPUs, splits each mixture-of-experts block's ``E`` experts into ``E/ep`` per rank,
+and needs ``ep | dp·cp`` and ``ep | E``.
 
 Ranks are numbered with the first axis of ``order`` varying fastest. The default order is
 Llama 3's ``[TP, CP, PP, DP]`` (Dubey et al. 2024, §3.3.2, claim C36): tensor parallelism
@@ -43,6 +46,8 @@ class Layout:
         dp_shard: HSDP: ZeRO-3 inside groups of ``dp_shard`` of the ``dp·cp`` ranks,
             replicas across them; ``None`` shards over all of them.
         order: the axes innermost first; the first varies fastest in the rank number.
+        ep: expert parallelism over the ``dp·cp`` ranks (a view: no extra GPUs); ranks
+            ``ep`` apart in ``dp·cp`` hold the same experts (the expert-data group).
     """
 
     tp: int = 1
@@ -59,6 +64,7 @@ class Layout:
     sequence_parallel: bool = True
     dp_shard: Optional[int] = None
     order: tuple = AXES
+    ep: int = 1
 
     # ------------------------------------------------------------------ derived
     @property
@@ -113,7 +119,8 @@ class Layout:
     def check(self, model) -> "Layout":
         """Raise ``ValueError`` naming the field and the numbers if ``model`` (a
         :class:`~labkit.plan.models.PlanModel`) cannot run with this layout; else ``self``."""
-        for f in ("tp", "cp", "pp", "dp", "microbatch", "global_batch", "virtual_stages"):
+        for f in ("tp", "cp", "pp", "dp", "microbatch", "global_batch", "virtual_stages",
+                  "ep"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")
@@ -136,8 +143,21 @@ class Layout:
         if model.n_kv_heads % t and t % model.n_kv_heads:
             raise ValueError(f"tp={t} and n_kv_heads={model.n_kv_heads}: one must divide the "
                              "other (key/value heads are split or replicated)")
-        if model.d_ff % t:
+        e = getattr(model, "n_experts", 0)
+        if model.d_ff % t and not e:  # experts stay whole on every tp rank (labkit's TP)
             raise ValueError(f"tp={t} does not divide the MLP width d_ff={model.d_ff}")
+        if e and self.sp:
+            raise ValueError(f"sequence_parallel=True with tp={t} and n_experts={e}: the "
+                             "experts stay whole on every tp rank and route the whole "
+                             "sequence; set sequence_parallel=False")
+        if self.ep > 1 and not e:
+            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model; "
+                             f"{model.name!r} is dense (n_experts=0)")
+        if e % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide n_experts={e}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the data ranks dp x cp = {self.dp} x "
+                             f"{self.cp} = {self.dp * self.cp} (it is a view over them)")
         if s % self.cp:
             raise ValueError(f"cp={self.cp} does not divide seq_len={s}")
         if self.virtual_stages > 1 and (self.schedule != "interleaved" or self.pp == 1):
@@ -184,7 +204,7 @@ def layout_from_mesh(mesh, *, zero: int = 1, **knobs) -> Layout:
     hsdp = zero == 3 and mesh.dp_replicate > 1
     return Layout(tp=mesh.tp, cp=mesh.cp, pp=mesh.pp, dp=dp, zero=zero,
                   dp_shard=mesh.dp_shard * mesh.cp if hsdp else None, order=MESH_ORDER,
-                  **knobs)
+                  ep=getattr(mesh, "ep", 1), **knobs)
 
 
 def stage_layers(n_layers: int, pp: int) -> list[int]:

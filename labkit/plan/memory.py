@@ -94,13 +94,20 @@ def sharded_state_bytes(n_params: float, values_per_param: int = 4, bytes_per_va
 
 
 def rank_memory(params: float, zero: int, shard: int, grad_bytes: int = 2,
-                activations: float = 0.0, comm_buffers: float = 0.0) -> dict[str, float]:
+                activations: float = 0.0, comm_buffers: float = 0.0, param_bytes: int = 2,
+                optimizer_bytes: int = 12, unsharded: float = 0.0,
+                unsharded_group: int = 1) -> dict[str, float]:
     """Bytes one GPU holds by category, for a model shard of ``params`` parameters.
 
-    Parameters ``2P`` (16-bit), gradients ``grad_bytes·P``, Adam ``12P`` (fp32 master, m,
-    v), each divided by ``shard`` (the ZeRO group) as ``zero`` says — stage 1 the optimizer,
-    2 also the gradients, 3 also the parameters (ZeRO §5.1) — plus ``activations`` and
-    ``comm_buffers``. With ``grad_bytes=2`` the first three are :func:`model_state_bytes`.
+    Parameters ``param_bytes·P`` (2: 16-bit), gradients ``grad_bytes·P``, Adam
+    ``optimizer_bytes·P`` (12: fp32 master, m, v; 8: m, v over fp32 weights), each divided
+    by ``shard`` (the ZeRO group) as ``zero`` says — stage 1 the optimizer, 2 also the
+    gradients, 3 also the parameters (ZeRO §5.1) — plus ``activations`` and
+    ``comm_buffers``. With the defaults and ``grad_bytes=2`` the first three are
+    :func:`model_state_bytes`.
+
+    ``unsharded`` of the ``params`` (expert parameters under expert parallelism) are
+    sharded over ``unsharded_group`` ranks instead of ``shard`` (1: held whole).
 
     Returns:
         ``{"parameters", "gradients", "optimizer", "activations", "comm_buffers",
@@ -111,11 +118,21 @@ def rank_memory(params: float, zero: int, shard: int, grad_bytes: int = 2,
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    if shard < 1:
-        raise ValueError(f"shard must be >= 1, got {shard}")
-    out = {"parameters": 2.0 * params / (shard if zero == 3 else 1),
-           "gradients": float(grad_bytes) * params / (shard if zero >= 2 else 1),
-           "optimizer": 12.0 * params / (shard if zero >= 1 else 1),
+    if shard < 1 or unsharded_group < 1:
+        raise ValueError(f"shard and unsharded_group must be >= 1, got {shard}, "
+                         f"{unsharded_group}")
+    if not 0 <= unsharded <= params:
+        raise ValueError(f"unsharded={unsharded} must be in 0..params={params}")
+    rest = params - unsharded
+
+    def state(per: float, from_stage: int) -> float:
+        if zero < from_stage:
+            return per * params
+        return per * (rest / shard + unsharded / unsharded_group)
+
+    out = {"parameters": state(float(param_bytes), 3),
+           "gradients": state(float(grad_bytes), 2),
+           "optimizer": state(float(optimizer_bytes), 1),
            "activations": float(activations), "comm_buffers": float(comm_buffers)}
     out["total"] = sum(out.values())
     return out

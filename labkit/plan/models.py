@@ -6,6 +6,12 @@ attention), MLP width ``f`` and kind, vocabulary ``V``, sequence length ``s``, a
 implementation facts that change memory and time (eager attention that stores the
 ``a·s²`` score matrix, or fused flash attention that does not; dropout; biases).
 
+A mixture-of-experts model (``n_experts = E > 0``) replaces every block's MLP with a
+bias-free router ``h×E`` and ``E`` experts of the MLP's shape, each token going to
+``top_k = k`` of them (Shazeer et al. 2017; Fedus et al. 2022, Switch Transformer §2;
+labkit's ``tiny-moe``): the model holds all ``E`` experts, a token computes through the
+router and ``k`` experts only.
+
 Presets:
 
 * the lab's own models and the Llama 3 herd, converted from ``labkit.config.PRESETS``
@@ -18,7 +24,9 @@ Presets:
 
 FLOPs follow the conventions of :mod:`labkit.measure.flops` (one multiply-add is 2 FLOP,
 backward ≈ 2× forward): model FLOPs per token ``6·N_matmul + 12·L·a·d·s`` (Kaplan et al.
-2020 §2.1; PaLM, Chowdhery et al. 2022, Appendix B), non-causal. For the GPT models this
+2020 §2.1; PaLM, Chowdhery et al. 2022, Appendix B), non-causal; ``N_matmul`` counts the
+weights one token multiplies by (for a mixture of experts: the router and ``k`` experts,
+Fedus et al. 2022 §2: "sparsely activated"). For the GPT models this
 equals Narayanan et al.'s Eq. 3 without the recomputation pass:
 ``72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V`` per step; :func:`narayanan_flops` is Eq. 3 itself.
 """
@@ -50,6 +58,8 @@ class PlanModel:
         norm: ``"rmsnorm"`` (``h`` weights) or ``"layernorm"`` (``2h``).
         learned_positions: a ``s×h`` position table (GPT) instead of rotary (Llama).
         tie_embeddings: the output head shares the input embedding.
+        n_experts: ``E`` experts per block in place of the MLP (0: dense).
+        top_k: experts each token is sent to (``k``; only with ``n_experts``).
         source: where the shape comes from.
     """
 
@@ -68,6 +78,8 @@ class PlanModel:
     norm: str = "rmsnorm"
     learned_positions: bool = False
     tie_embeddings: bool = False
+    n_experts: int = 0
+    top_k: int = 1
     source: str = ""
 
     def __post_init__(self):
@@ -82,6 +94,11 @@ class PlanModel:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"PlanModel.n_heads={self.n_heads} does not divide by "
                              f"n_kv_heads={self.n_kv_heads}")
+        e, k = self.n_experts, self.top_k
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+            raise ValueError(f"PlanModel.n_experts must be an int >= 0, got {e!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (e and k > e):
+            raise ValueError(f"PlanModel.top_k must be an int in 1..n_experts={e}, got {k!r}")
         for f, ok in (("mlp", ("swiglu", "gelu")), ("attention", ("flash", "eager")),
                       ("norm", ("rmsnorm", "layernorm"))):
             if getattr(self, f) not in ok:
@@ -101,18 +118,48 @@ class PlanModel:
     def mlp_matrices(self) -> int:
         return 3 if self.mlp == "swiglu" else 2
 
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
     # ---------------------------------------------------------------- parameters
     @property
-    def layer_matmul_params(self) -> int:
-        """Matmul weights of one block: ``Wq, Wo`` (h·h), ``Wk, Wv`` (h·kv_dim), MLP."""
+    def attention_params(self) -> int:
+        """``Wq, Wo`` (h·h) and ``Wk, Wv`` (h·kv_dim) of one block."""
         h = self.d_model
-        return 2 * h * h + 2 * h * self.kv_dim + self.mlp_matrices * h * self.d_ff
+        return 2 * h * h + 2 * h * self.kv_dim
+
+    @property
+    def expert_params(self) -> int:
+        """One MLP (or one expert): ``mlp_matrices · h · f``."""
+        return self.mlp_matrices * self.d_model * self.d_ff
+
+    @property
+    def router_params(self) -> int:
+        """The router of one block, ``h·E`` (0 for a dense model)."""
+        return self.d_model * self.n_experts
+
+    @property
+    def layer_expert_params(self) -> int:
+        """All experts of one block, ``E · mlp_matrices · h · f`` (0 for a dense model):
+        what expert parallelism splits over ``ep``."""
+        return self.n_experts * self.expert_params
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Matmul weights one token multiplies by in one block: attention, and the MLP —
+        or, with experts, the router and ``k`` experts (Fedus et al. 2022 §2)."""
+        if self.moe:
+            return self.attention_params + self.router_params + self.top_k * self.expert_params
+        return self.attention_params + self.expert_params
 
     @property
     def layer_params(self) -> int:
-        """All weights of one block: matmuls, biases, two norms."""
+        """All weights of one block: attention, the MLP (or the router and all ``E``
+        experts), biases, two norms."""
         h = self.d_model
-        n = self.layer_matmul_params + 2 * (h if self.norm == "rmsnorm" else 2 * h)
+        mlp = self.router_params + self.layer_expert_params if self.moe else self.expert_params
+        n = self.attention_params + mlp + 2 * (h if self.norm == "rmsnorm" else 2 * h)
         if self.bias:
             n += h + 2 * self.kv_dim + h + (self.mlp_matrices - 1) * self.d_ff + h
         return n
@@ -145,7 +192,8 @@ class PlanModel:
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs of one training token (forward + backward, no recomputation):
-        ``6·(L·N_layer + h·V) + 12·L·a·d·s``."""
+        ``6·(L·N_layer + h·V) + 12·L·a·d·s``, ``N_layer`` the weights the token multiplies
+        by (:attr:`layer_matmul_params`: with experts the router and ``k`` experts)."""
         dense = 6.0 * (self.n_layers * self.layer_matmul_params + self.head_matmul_params)
         return dense + self.attention_flops_per_token(seq_len)
 
@@ -167,6 +215,7 @@ def _from_config(cfg: ModelConfig) -> PlanModel:
                      n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, d_ff=cfg.ffn_dim,
                      vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, mlp="swiglu",
                      attention="flash", tie_embeddings=cfg.tie_embeddings,
+                     n_experts=cfg.n_experts, top_k=cfg.top_k if cfg.n_experts else 1,
                      source="labkit.config.PRESETS" + (
                          " (Llama 3 herd, Dubey et al. 2024, Table 3)"
                          if cfg.name.startswith("llama3") else ""))

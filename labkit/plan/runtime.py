@@ -20,7 +20,10 @@ hop latencies          µs     NCCL's tuning model (src/graph/tuning.cc), see
 
 A :class:`Runtime` records what an implementation does, each field from its paper:
 which communication it overlaps with compute (0 = exposed, 1 = hidden as far as the compute
-window allows), the bytes of a gradient, and Megatron's scatter/gather of pipeline sends.
+window allows), the bytes of a weight, a gradient and Adam's state per parameter, whether
+ZeRO shards the expert parameters, and Megatron's scatter/gather of pipeline sends.
+``labkit-fp32`` is labkit's own training job at ``precision="fp32"``, so the planner's
+per-rank model state can be held against a real run.
 """
 from __future__ import annotations
 
@@ -53,6 +56,14 @@ class Runtime:
             pipeline activation and the receiver all-gathers it over NVLink
             (Narayanan et al. 2021, §4.1).
         source: where these facts come from.
+        param_bytes: bytes of one stored weight (2: 16-bit weights of mixed precision;
+            4: fp32).
+        optimizer_bytes: Adam's bytes per parameter (12: fp32 master, m, v; 8: m and v over
+            fp32 weights).
+        zero_shards_experts: with ``ep > 1``, ZeRO shards the expert parameters' state over
+            their expert-data group (``dp·cp/ep`` ranks), as Megatron-Core's distributed
+            optimizer does; ``False``: it leaves them whole on each rank (labkit's job keeps
+            them out of its flat units and all-reduces their gradients over that group).
     """
 
     name: str
@@ -63,6 +74,9 @@ class Runtime:
     dp_overlap: float
     pp_scatter_gather: bool
     source: str
+    param_bytes: int = 2
+    optimizer_bytes: int = 12
+    zero_shards_experts: bool = True
 
 
 RUNTIMES: dict[str, Runtime] = {
@@ -81,6 +95,13 @@ RUNTIMES: dict[str, Runtime] = {
                "weights and reduces gradients asynchronously; the all-gather of context-"
                "parallel K/V is exposed on the critical path; tensor- and pipeline-parallel "
                "transfers taken as blocking (the paper does not say otherwise)"),
+    "labkit-fp32": Runtime(
+        "labkit-fp32", grad_bytes=4, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
+        dp_overlap=1.0, pp_scatter_gather=False, param_bytes=4, optimizer_bytes=8,
+        zero_shards_experts=False,
+        source="labkit's training job (labkit.train) at precision='fp32': fp32 weights and "
+               "gradients, AdamW's m and v (no master copy); with ep > 1 the experts stay "
+               "out of ZeRO's flat units; DDP buckets overlap the backward"),
 }
 
 

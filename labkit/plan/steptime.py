@@ -76,10 +76,11 @@ class StepTime:
 
 
 @functools.lru_cache(maxsize=4096)
-def layer_times(model, gpu, b: int, s_local: int, s_kv: int, tp: int, sp: bool) -> dict:
+def layer_times(model, gpu, b: int, s_local: int, s_kv: int, tp: int, sp: bool,
+                ep: int = 1) -> dict:
     """Forward/backward seconds of one layer and of its attention core, the layer's
     forward FLOPs (whole and core), and the head's forward+backward seconds."""
-    ops = layer_ops(model, b, s_local, s_kv, tp, sp)
+    ops = layer_ops(model, b, s_local, s_kv, tp, sp, ep)
     head = head_ops(model, b, s_local, tp, sp)
     return {"f": ops_time(ops, gpu), "b": ops_time(ops, gpu, backward=True),
             "core_f": ops_time(ops, gpu, core_only=True),
@@ -104,7 +105,7 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
     b, mb, sp, r, z = layout.microbatch, layout.microbatches, layout.sp, runtime, layout.zero
     s_loc = s // layout.cp
     T = b * s_loc
-    lt = layer_times(model, gpu, b, s_loc, s, t, sp)
+    lt = layer_times(model, gpu, b, s_loc, s, t, sp, getattr(layout, "ep", 1))
     t_f, t_b = lt["f"], lt["b"]
     t_rc = {"none": 0.0, "selective": lt["core_f"], "full": t_f}[layout.checkpoint]
     act = 2.0 * T * model.d_model

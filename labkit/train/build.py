@@ -256,8 +256,11 @@ def _expert_parallel(setup: RankSetup) -> None:
     from ..models.moe import set_aux_loss_scale
 
     p = cfg.parallel
+    # PyTorch's DDP and FSDP2 average over the data ranks: like the token loss (step.py's
+    # grad_scale), the aux loss is multiplied by their number so the average undoes it
+    averaged = mg.size("dp_cp") if cfg.impl == "torch" else 1
     for m in setup.stages.values():  # one forward = one microbatch of S/cp tokens
-        set_aux_loss_scale(m, cfg.micro / (cfg.global_batch * p.cp))
+        set_aux_loss_scale(m, averaged * cfg.micro / (cfg.global_batch * p.cp))
     if p.ep == 1:
         return
     from ..parallel.expert import apply_expert_parallel, expert_parameters
