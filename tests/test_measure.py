@@ -199,8 +199,8 @@ def test_mfu_70b_example_and_the_one_gpu_mistake():  # claim C21
     assert wrong.mfu * 100 == pytest.approx(45.4, abs=0.1)
     assert r.theoretical_time_s == pytest.approx(flops / (16 * 312e12))
     assert r.hfu == r.mfu and r.hardware_flops == r.model_flops
-    assert mfu(flops, 1.0, 1e18, 4, hardware_flops_per_step=flops * 4 / 3).hfu > \
-        mfu(flops, 1.0, 1e18, 4).mfu
+    assert mfu(flops, 10.0, 1e18, 4, hardware_flops_per_step=flops * 4 / 3).hfu > \
+        mfu(flops, 10.0, 1e18, 4).mfu
 
 
 def test_mfu_requires_a_peak_and_devices():
