@@ -259,3 +259,21 @@ def test_mfu_above_100_percent_is_an_error_not_excellent():
     with pytest.raises(ValueError, match="not a rating"):
         mfu_rating(1.33)
     assert mfu(1e12, 1.0, 1e12, 1).mfu == 1.0
+
+
+def test_the_mfu_gauge_shows_the_peak_and_refuses_a_number_above_100_percent():
+    from labkit_widgets import explorer_figures as F
+
+    fig = F.mfu_figure()
+    row = {"mfu_pct": 20.0, "hfu_pct": 25.0, "step_ms": 5.0, "peak_gflops": 41.5,
+           "peak_age_s": 180.0, "peak_conditions": {"loadavg_1m": 2.1}, "mfu_error": None}
+    F.draw_mfu(fig, row, None)
+    assert fig.data[0].value == 20.0
+    assert "peak 41.5 GFLOP/s/rank · 3 min old · load 2.1" in fig.layout.title.text
+    F.draw_mfu(fig, dict(row, mfu_pct=None, hfu_pct=None, mfu_error="HFU 133.0 % > 100 %"), 20.0)
+    assert fig.data[0].value is None and "input error" in fig.layout.title.text
+    assert "excellent" not in fig.layout.title.text.split("<br>")[0]
+    metrics = [{"peak_flops": 41.5e9, "peak_age_s": a, "peak_conditions": {"ranks": 2},
+                "peak_source": "cached", "mfu_error": e} for a, e in ((10.0, None), (12.0, "x"))]
+    assert F._peak(metrics) == {"peak_gflops": 41.5, "peak_age_s": 12.0, "mfu_error": "x",
+                                "peak_conditions": {"ranks": 2}, "peak_source": "cached"}
