@@ -241,6 +241,7 @@ def test_hfu_above_100_percent_remeasures_then_reports_an_error(machine):
     assert machine.measured == 2 and cpu["mfu"] is None and cpu["hfu"] is None
     assert "> 100 %" in cpu["mfu_error"] and "not a ceiling" in cpu["mfu_error"]
     assert f"{cpu['hardware_flops_per_step']:.4g}" in cpu["mfu_error"]
+    assert "measured 0 s ago under {'loadavg_1m': 0.0" in cpu["mfu_error"]  # the peak named
     machine.rate = 1e12  # the re-measurement finds the real ceiling: MFU is shown
     ok = flops_and_mfu(ctx, setup, step_time=1.0)
     assert machine.measured == 3 and ok["mfu_error"] is None and ok["peak_flops"] == 1e12
