@@ -170,7 +170,10 @@ def test_a100_to_h100_ratios_claim_c23():
 
 
 def test_cpu_calibration_is_cached(tmp_path, monkeypatch):
+    from labkit.measure import cpu_peak
+
     monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_peak, "_loadavg", lambda: 1.0)  # the machine's load held still
     calls = []
     first = calibrate_cpu_peak(n=64, seconds=0.05, barrier=lambda: calls.append(1))
     assert first > 0 and calls == [1]
@@ -196,8 +199,8 @@ def test_mfu_70b_example_and_the_one_gpu_mistake():  # claim C21
     assert wrong.mfu * 100 == pytest.approx(45.4, abs=0.1)
     assert r.theoretical_time_s == pytest.approx(flops / (16 * 312e12))
     assert r.hfu == r.mfu and r.hardware_flops == r.model_flops
-    assert mfu(flops, 1.0, 1e18, 4, hardware_flops_per_step=flops * 4 / 3).hfu > \
-        mfu(flops, 1.0, 1e18, 4).mfu
+    assert mfu(flops, 10.0, 1e18, 4, hardware_flops_per_step=flops * 4 / 3).hfu > \
+        mfu(flops, 10.0, 1e18, 4).mfu
 
 
 def test_mfu_requires_a_peak_and_devices():
@@ -279,22 +282,29 @@ def test_a_step_measures_the_same_bytes_whenever_the_cyclic_collector_would_run(
 
 def test_cpu_calibration_cache_keeps_the_ceiling(tmp_path, monkeypatch):
     """A disturbed calibration reads low; a refresh replaces a low cached value, never a
-    higher one (a peak is a ceiling)."""
+    higher one that is still valid (a peak is a ceiling); a bare number, with no time or
+    load recorded, is not trusted."""
     import json
 
+    from labkit.measure import cpu_peak
     from labkit.measure.peak import cache_path
 
     monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_peak, "_loadavg", lambda: 1.0)
     real = calibrate_cpu_peak(n=64, seconds=0.05)
     key, = json.loads(cache_path().read_text())
-    cache_path().write_text(json.dumps({key: real / 1000}))      # as if measured under load
+    entry = json.loads(cache_path().read_text())[key]
+    assert entry["flops"] == real and entry["conditions"]["loadavg_1m"] == 1.0
+    cache_path().write_text(json.dumps({key: dict(entry, flops=real / 1000)}))  # under load
     assert calibrate_cpu_peak(n=64, seconds=0.05) == real / 1000   # cached, not re-measured
     fresh = calibrate_cpu_peak(n=64, seconds=0.05, refresh=True)
     assert fresh > real / 1000
-    assert json.loads(cache_path().read_text())[key] == fresh
-    cache_path().write_text(json.dumps({key: real * 1000}))
+    assert json.loads(cache_path().read_text())[key]["flops"] == fresh
+    cache_path().write_text(json.dumps({key: dict(entry, flops=real * 1000)}))
     calibrate_cpu_peak(n=64, seconds=0.05, refresh=True)
-    assert json.loads(cache_path().read_text())[key] == real * 1000
+    assert json.loads(cache_path().read_text())[key]["flops"] == real * 1000
+    cache_path().write_text(json.dumps({key: real * 1000}))  # the old format: re-measured
+    assert calibrate_cpu_peak(n=64, seconds=0.05) < real * 1000
 
 
 @pytest.mark.distributed

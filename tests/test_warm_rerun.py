@@ -34,7 +34,8 @@ COMPOSITIONS = {
 }
 #: metrics that are clock readings or say where a value came from
 CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap",
-         "reused"}
+         "reused", "peak_measured_at", "peak_age_s", "peak_conditions", "peak_source",
+         "mfu_error"}
 
 
 def _events(result, rank: int) -> Counter:

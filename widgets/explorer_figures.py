@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 from . import _style as S
 
 __all__ = ["layout_string", "knobs_string", "describe", "HISTORY_COLUMNS", "summarize",
-           "history_html", "memory_figure", "draw_memory", "mfu_figure", "draw_mfu",
+           "history_html", "memory_figure", "draw_memory", "mfu_figure", "draw_mfu", "peak_line",
            "comm_figure", "draw_comm", "empty_note", "steady_trace"]
 
 #: the memory figure's three bars per rank: at the peak, model state measured, predicted
@@ -111,8 +111,11 @@ def summarize(result, metrics: list, pipe: Optional[dict] = None) -> dict:
     """One history row: ``layout``, ``knobs``, ``step_ms`` (the slowest rank), ``mfu_pct`` /
     ``hfu_pct`` (mean over ranks), ``peak_mib`` (the largest rank's peak), ``comm_bytes``
     (the most any rank sent in a step), ``bubble_pct`` (with a pipeline), ``loss`` (the
-    global loss of the timed step), ``wall_s``. ``metrics`` are the per-rank dicts the
-    figures show (memory possibly from an earlier run of the same configuration)."""
+    global loss of the timed step), ``wall_s``; the peak MFU divides by: ``peak_gflops``
+    (per rank), ``peak_age_s`` (the oldest rank's), ``peak_conditions`` and ``peak_source``
+    (rank 0's), and ``mfu_error`` (the first rank's, when a step ran faster than the peak).
+    ``metrics`` are the per-rank dicts the figures show (memory possibly from an earlier run
+    of the same configuration)."""
     cfg = result.config
     mean = lambda key: S.mean(m.get(key) for m in metrics)  # noqa: E731
     pct = lambda v: None if v is None else 100 * v  # noqa: E731
@@ -125,7 +128,36 @@ def summarize(result, metrics: list, pipe: Optional[dict] = None) -> dict:
                               default=0.0),
             "bubble_pct": None if pipe is None else 100 * pipe["summary"]["bubble"],
             "loss": _timed_loss(result),
-            "wall_s": result.wall_s}
+            "wall_s": result.wall_s, **_peak(metrics)}
+
+
+def _peak(metrics: list) -> dict:
+    first = metrics[0] if metrics else {}
+    ages = [m.get("peak_age_s") for m in metrics if m.get("peak_age_s") is not None]
+    peak = first.get("peak_flops")
+    return {"peak_gflops": None if peak is None else peak / 1e9,
+            "peak_age_s": max(ages) if ages else None,
+            "peak_conditions": first.get("peak_conditions"),
+            "peak_source": first.get("peak_source"),
+            "mfu_error": next((m["mfu_error"] for m in metrics if m.get("mfu_error")), None)}
+
+
+def peak_line(row: dict) -> str:
+    """Where the peak came from, short enough for the gauge's title, e.g. ``"peak 41.5
+    GFLOP/s/rank · 3 min old · load 2.1"``; ``"… (datasheet)"`` for a GPU; empty when no
+    peak was read."""
+    g = row.get("peak_gflops")
+    if g is None:
+        return ""
+    if row.get("peak_source") == "datasheet":
+        return f"peak {g:.4g} GFLOP/s/rank (datasheet)"
+    age, cond = row.get("peak_age_s"), row.get("peak_conditions") or {}
+    parts = [f"peak {g:.3g} GFLOP/s/rank"]
+    if age is not None:
+        parts.append(f"{age:.0f} s old" if age < 120 else f"{age / 60:.0f} min old")
+    if cond.get("loadavg_1m") is not None:
+        parts.append(f"load {cond['loadavg_1m']:.1f}")
+    return " · ".join(parts)
 
 
 def _timed_loss(result) -> Optional[float]:
@@ -240,24 +272,31 @@ def mfu_figure() -> go.Figure:
                           dict(range=[e, 100], color="#D5EFD8")],
                    threshold=dict(line=dict(color=S.OK_GREEN, width=3), value=e)),
         domain=dict(x=[0, 1], y=[0.08, 0.82])),
-        dict(width=WIDTHS["mfu"], height=380, margin=dict(l=30, r=30, t=88, b=24),
+        dict(width=WIDTHS["mfu"], height=380, margin=dict(l=30, r=30, t=100, b=24),
              title=dict(text="MFU", font_size=13, x=0.02, xanchor="left")))
 
 
 def draw_mfu(fig, row: dict, prev_pct: Optional[float], note: str = "") -> None:
     """``row["mfu_pct"]`` on the gauge (with the change from ``prev_pct`` when there is
-    one), HFU and the step time in the title, ``note`` (e.g. a pipeline's ceiling) last."""
+    one), HFU and the step time in the title, the peak's age and load (:func:`peak_line`),
+    ``note`` (e.g. a pipeline's ceiling) last. A row with ``mfu_error`` (a step faster than
+    the peak) shows no number: the title says the inputs are wrong."""
     v, h = row.get("mfu_pct"), row.get("hfu_pct")
-    rating = ("not measured" if v is None else "excellent" if v > 100 * S.MFU_EXCELLENT
+    err = row.get("mfu_error")
+    rating = ("input error, HFU > 100 %" if err
+              else "not measured" if v is None else "excellent" if v > 100 * S.MFU_EXCELLENT
               else "good" if v > 100 * S.MFU_GOOD else "low")
+    if err:
+        v = None
     ind = fig.data[0]
     ind.update(value=v, mode="gauge+number" + ("+delta" if prev_pct is not None
                                                  and v is not None else ""))
     if prev_pct is not None:
         ind.delta.reference = prev_pct
     hfu = "–" if h is None else f"{h:.1f} %"
-    lines = [f"MFU: {rating} (>30 % good, >40 % excellent)",
-             f"HFU {hfu} · step {row.get('step_ms', 0.0):.1f} ms"] + ([note] if note else [])
+    bars = " (the peak is not a ceiling)" if err else " (>30 % good, >40 % excellent)"
+    lines = [f"MFU: {rating}{bars}", f"HFU {hfu} · step {row.get('step_ms', 0.0):.1f} ms"] + \
+        [x for x in (peak_line(row), note) if x]
     fig.layout.title.text = lines[0] + "<br><sup>" + "<br>".join(lines[1:]) + "</sup>"
 
 

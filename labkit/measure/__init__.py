@@ -2,7 +2,9 @@
 
 * :mod:`labkit.measure.flops` — ``count_flops`` (torch's counter, with CPU attention) and the
   analytic ``6·N + 12·L·A·Q·T`` per token.
-* :mod:`labkit.measure.peak` — GPU datasheet peaks and a cached CPU matmul calibration;
+* :mod:`labkit.measure.peak` — GPU datasheet peaks and a cached CPU matmul calibration
+  (:mod:`labkit.measure.cpu_peak`: with its time and load, measured again when it is old
+  or the machine quieter);
   :mod:`labkit.measure.rank_peak` — the peak one rank of a running job divides by.
 * :mod:`labkit.measure.mfu` — the lecture's five-step MFU and its rating.
 * :mod:`labkit.measure.memory` — bytes by category for one step (torch's ``MemTracker``).

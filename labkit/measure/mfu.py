@@ -95,7 +95,11 @@ def mfu(model_flops_per_step: float, step_time_s: float,
 
     Raises:
         ValueError: ``"unknown device: pass an explicit peak"`` if the peak is ``None``; also
-            for a non-positive peak, time or device count, or negative FLOPs.
+            for a non-positive peak, time or device count, or negative FLOPs; and when MFU or
+            HFU exceeds 100 %, naming the numbers: no step runs faster than its peak, so the
+            peak is not a ceiling (e.g. a CPU calibration taken on a busy machine) or the
+            FLOPs or the time do not cover the same work. Such a result is an error in the
+            inputs, never a rating.
     """
     if peak_flops_per_device is None:
         raise ValueError("unknown device: pass an explicit peak (FLOP/s per device)")
@@ -113,6 +117,14 @@ def mfu(model_flops_per_step: float, step_time_s: float,
     n = int(n_devices)
     peak_total = float(peak_flops_per_device) * n              # step 2, all devices
     theoretical = model_flops_per_step / peak_total            # step 3
+    top = max(hw, model_flops_per_step)
+    if top / peak_total > step_time_s:
+        what = "MFU" if model_flops_per_step >= hw else "HFU"
+        raise ValueError(
+            f"{what} {100 * top / peak_total / step_time_s:.1f} % > 100 %: {top:.4g} FLOP in "
+            f"{step_time_s:.4g} s on {n} device(s) of peak {float(peak_flops_per_device):.4g} "
+            f"FLOP/s each is faster than the peak; the peak is not a ceiling, or the FLOPs and "
+            f"the time do not cover the same work")
     return MFUReport(model_flops=float(model_flops_per_step), hardware_flops=float(hw),
                      peak_total=peak_total, theoretical_time_s=theoretical,
                      measured_time_s=float(step_time_s),       # step 4
@@ -122,7 +134,15 @@ def mfu(model_flops_per_step: float, step_time_s: float,
 
 def mfu_rating(x: float) -> str:
     """The lecture's bar (claim C22): ``"excellent"`` if MFU > 0.40, ``"good"`` if > 0.30,
-    else ``"low"``. ``x`` is a fraction (0.35 for 35 %)."""
+    else ``"low"``. ``x`` is a fraction (0.35 for 35 %).
+
+    Raises:
+        ValueError: ``x > 1``: an MFU above 100 % is an error in the inputs (see :func:`mfu`),
+            not an excellent run.
+    """
+    if x > 1.0:
+        raise ValueError(f"MFU {100 * x:.1f} % > 100 % is an error in the inputs (a peak that "
+                         f"is not a ceiling, or FLOPs and time of different work), not a rating")
     if x > 0.40:
         return "excellent"
     if x > 0.30:

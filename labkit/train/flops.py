@@ -1,14 +1,34 @@
-"""Model FLOPs of one microbatch through this rank's part of the model, counted by torch.
+"""Model FLOPs of one step on this rank: its share of the replica's work, counted and analytic.
 
-:func:`rank_flops` builds a fresh copy of the rank's stages (the same stage ids, the same
-checkpoint policy when hardware FLOPs are asked for) and runs one microbatch's forward and
-backward under torch's ``FlopCounterMode`` (:func:`labkit.measure.flops.count_flops`, which
-also counts CPU attention). A stage after the first takes a ``(b, S, H)`` activation that
-requires grad, so its backward includes the input gradient, as in the pipeline. The count
-is cached per shape in ``ctx.cache``, so a slider re-run of the same shape counts nothing.
-With context parallelism a rank does ``1/cp`` of the sequence's work: the full-sequence count
-divided by ``cp`` (exact for the matmuls; for attention the model-FLOP convention counts
-every query-key pair, as SDPA's formula does).
+One *replica* (the ranks that share one data-parallel index) splits a step's work three
+ways: pipeline stages (each rank runs its own stages), tensor parallelism (``tp`` ranks each
+run ``1/tp`` of every block's heads and SwiGLU columns, and ``1/tp`` of the vocabulary in the
+head) and context parallelism (``cp`` ranks each run ``1/cp`` of the sequence's tokens
+against all keys). A rank's model FLOPs are its share, so that the shares of the
+``tp · cp · pp`` ranks of a replica add up to torch's ``FlopCounterMode`` count of the whole
+model on the replica's batch — whatever the layout, a rank reports the work it took over,
+not the replica's (before, each tp rank reported the whole replica's, and MFU doubled with
+``tp=2``).
+
+* :func:`rank_flops` counts this rank's stages on a fresh *unsharded* copy, one microbatch's
+  forward and backward under ``FlopCounterMode`` (:func:`labkit.measure.flops.count_flops`,
+  which also counts CPU attention), × microbatches per step, and takes this rank's part of
+  the ``tp · cp`` ranks that hold the same stages (:func:`share`). A stage after the first
+  takes a ``(b, S, H)`` activation that requires grad, so its backward includes the input
+  gradient, as in the pipeline, and the stages' counts add up to the whole model's.
+* :func:`rank_flops_analytic` is the same quantity from the config: per token and block
+  ``2·(H·A·D + 2·H·K·D + A·D·H)`` for the projections, ``4·A·D·S`` for ``QKᵀ`` and ``P·V``
+  over all ``S`` keys (dense: the counter and SDPA do not skip the masked half), SwiGLU
+  ``6·H·F`` — or, with experts, ``top_k · 6·H·F`` plus the router's ``2·H·E`` — and the head's
+  ``2·H·V`` on the last stage; backward is twice the forward (Kaplan et al. 2020, §2.1;
+  attention as in Chowdhery et al. 2022, Appendix B, unmasked).
+
+The split over ``tp · cp`` is an equal share of the stages' count. Tensor parallelism splits
+every matmul of a dense block and the head; norms, embedding lookups and the loss are no
+matmuls. What tp ranks *repeat* — an MoE layer stays whole on every tp rank, K/V projections
+when ``kv_heads < tp``, padding rows of a vocabulary that does not divide by ``tp`` — is not
+model work, so it is in neither count. With capacity-limited routing the counted experts are
+those the first microbatch dispatched (the analytic count assumes none is dropped).
 """
 from __future__ import annotations
 
@@ -18,12 +38,37 @@ from ..measure.flops import count_flops
 from ..models import build_model
 from ..models.data import make_batch
 
-__all__ = ["rank_flops"]
+__all__ = ["rank_flops", "rank_flops_analytic", "stage_flops_analytic", "share",
+           "split_index"]
+
+
+def share(total: int, parts: int, index: int) -> int:
+    """Part ``index`` of ``total`` split into ``parts`` integers that add up to ``total``
+    exactly: ``total // parts``, plus one for the first ``total % parts`` parts.
+
+    Raises:
+        ValueError: ``parts < 1`` or ``index`` outside ``0 … parts−1``.
+    """
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"need parts >= 1 and 0 <= index < parts, got parts={parts}, "
+                         f"index={index}")
+    q, r = divmod(int(total), parts)
+    return q + (1 if index < r else 0)
+
+
+def split_index(setup) -> tuple[int, int]:
+    """``(this rank's index, number of ranks)`` among the ``tp · cp`` ranks that hold the same
+    pipeline stages of one replica."""
+    p = setup.cfg.parallel
+    tp_i = setup.mg.index("tp") if p.tp > 1 else 0
+    cp_i = setup.mg.index("cp") if p.cp > 1 else 0
+    return tp_i * p.cp + cp_i, p.tp * p.cp
 
 
 def rank_flops(ctx, setup, recompute: bool) -> int:
-    """FLOPs of one microbatch's forward + backward through this rank's stages; with
-    ``recompute`` the checkpoint policy's recomputation is included (hardware FLOPs)."""
+    """This rank's FLOPs of one step (FLOP): its share of the forward + backward of its stages
+    over all microbatches; with ``recompute`` the checkpoint policy's recomputed forward is
+    included (hardware FLOPs). The whole stages' count is cached per shape in ``ctx.cache``."""
     cfg = setup.cfg
     mc = cfg.model_config
     stage_ids = tuple(sorted(setup.stages))
@@ -32,9 +77,44 @@ def rank_flops(ctx, setup, recompute: bool) -> int:
            str(ctx.device))
     if key not in ctx.cache:
         ctx.cache[key] = _count(cfg, stage_ids, policy, ctx.device)
-    # context parallelism splits every sequence: each rank computes 1/cp of the tokens'
-    # matmuls and of the query-key pairs (model FLOPs, counted as if unmasked)
-    return ctx.cache[key] // cfg.parallel.cp
+    index, parts = split_index(setup)
+    return share(ctx.cache[key] * cfg.accum_steps, parts, index)
+
+
+def stage_flops_analytic(mc, layers: int, last: bool, tokens: int) -> int:
+    """Model FLOPs (forward + backward) of ``layers`` blocks, plus the head when ``last``, for
+    ``tokens`` tokens of sequences of ``mc.seq_len`` (dense attention over every key).
+
+    Raises:
+        ValueError: for a ViT (``mc.kind != "gpt"``).
+    """
+    if mc.kind != "gpt":
+        raise ValueError(f"stage_flops_analytic covers GPT models, got kind={mc.kind!r}")
+    h, a, k, d, s = mc.d_model, mc.n_heads, mc.kv_heads, mc.head_dim, mc.seq_len
+    proj = 2 * (h * a * d + 2 * h * k * d + a * d * h)
+    scores = 4 * a * d * s                          # QKᵀ and P·V, every key
+    mlp = 6 * h * mc.ffn_dim
+    if mc.n_experts:
+        mlp = mc.top_k * mlp + 2 * h * mc.n_experts  # top-k experts + the router
+    forward = layers * (proj + scores + mlp) + (2 * h * mc.vocab_size if last else 0)
+    return 3 * forward * tokens                     # backward = 2 × forward
+
+
+def rank_flops_analytic(setup):
+    """This rank's model FLOPs of one step from the config (the share :func:`rank_flops`
+    counts); ``None`` for a ViT."""
+    cfg = setup.cfg
+    mc = cfg.model_config
+    if mc.kind != "gpt":
+        return None
+    from ..parallel.pipeline.split import layer_ranges
+
+    ranges = layer_ranges(mc.n_layers, cfg.n_stages)
+    layers = sum(len(ranges[s]) for s in setup.stages)
+    last = (cfg.n_stages - 1) in setup.stages
+    total = stage_flops_analytic(mc, layers, last, cfg.micro * mc.seq_len) * cfg.accum_steps
+    index, parts = split_index(setup)
+    return share(total, parts, index)
 
 
 def _count(cfg, stage_ids: tuple, policy: str, device) -> int:

@@ -10,8 +10,9 @@
   trace, beside the formulas (data parallel: 2Ψ / 3Ψ per the ZeRO stage; pipeline: one
   boundary activation per send).
 * **FLOPs and MFU/HFU**: torch's FLOP counter on one microbatch through this rank's stages
-  (a fresh copy, cached per shape), × microbatches per step, over the peak of the dtype that
-  ran (:func:`labkit.measure.rank_peak.rank_peak_flops`).
+  (a fresh copy, cached per shape), × microbatches per step, this rank's share of the
+  ``tp · cp`` ranks holding the same stages, over the peak of the dtype that ran
+  (:func:`labkit.measure.rank_peak.rank_peak`, with its age and conditions).
 """
 from __future__ import annotations
 
@@ -317,32 +318,64 @@ def _pp_predicted(setup) -> dict:
 def flops_and_mfu(ctx, setup, step_time: float) -> dict:
     """FLOPs per step and MFU/HFU of this rank, as plain data.
 
-    Returns ``{"flops_analytic"`` (6·N + attention per token over this rank's tokens, GPT,
-    whole model, no pipeline; else ``None``), ``"flops_per_step"`` (counter × microbatches),
-    ``"hardware_flops_per_step"`` (with recomputation), ``"peak_flops"`` (FLOP/s of this
-    device for the dtype that ran), ``"mfu"``, ``"hfu"``}``; ``None`` where not counted.
+    FLOPs are this rank's share of its replica's work (:mod:`labkit.train.flops`): over the
+    ``tp · cp · pp`` ranks of a replica they add up to the whole model's count on the
+    replica's batch. Returns
+
+    * ``"flops_analytic"``: the same share from the config (GPT; ``None`` for a ViT), FLOP;
+    * ``"flops_per_step"``: torch's counter, × microbatches, this rank's share (FLOP);
+    * ``"hardware_flops_per_step"``: the same with the checkpoint policy's recomputation;
+    * ``"peak_flops"``: FLOP/s of this device for the dtype that ran, with
+      ``"peak_measured_at"`` (s since the epoch; ``None`` for a datasheet peak),
+      ``"peak_age_s"``, ``"peak_conditions"`` (load average, other processes' cores, threads,
+      ranks, cores when measured) and ``"peak_source"`` (``"cached"``, ``"measured: <why>"``,
+      ``"datasheet"``);
+    * ``"mfu"``, ``"hfu"``: fractions; ``None`` where not counted, or where they exceed 1;
+    * ``"mfu_error"``: ``None``, or why MFU/HFU are not shown: a step's HFU above 100 % means
+      the peak is not a ceiling (or the FLOPs or the time are wrong). A CPU peak is then
+      measured again by all ranks; if HFU still exceeds 100 %, this names the numbers.
     """
-    from ..measure.rank_peak import rank_peak_flops
-    from ..measure.flops import transformer_flops_per_token
     from ..measure.mfu import mfu as mfu_report
-    from .flops import rank_flops
+    from ..measure.rank_peak import any_rank, peak_metrics, rank_peak
+    from .flops import rank_flops, rank_flops_analytic
 
     cfg = setup.cfg
-    mc = cfg.model_config
-    out: dict = {"flops_analytic": None, "flops_per_step": None,
-                 "hardware_flops_per_step": None, "peak_flops": None, "mfu": None, "hfu": None}
-    if mc.kind == "gpt" and cfg.parallel.pp == 1:
-        out["flops_analytic"] = (transformer_flops_per_token(mc, causal=True)["total"]
-                                 * cfg.local_batch * mc.seq_len)
+    out: dict = {"flops_analytic": rank_flops_analytic(setup), "flops_per_step": None,
+                 "hardware_flops_per_step": None, "peak_flops": None, "mfu": None, "hfu": None,
+                 "mfu_error": None, **peak_metrics(None)}
     if not cfg.count_flops:
         return out
-    accum = cfg.accum_steps
-    flops = rank_flops(ctx, setup, recompute=False) * accum
-    hw = rank_flops(ctx, setup, recompute=True) * accum if cfg.checkpoint != "none" else flops
+    flops = rank_flops(ctx, setup, recompute=False)
+    hw = rank_flops(ctx, setup, recompute=True) if cfg.checkpoint != "none" else flops
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    peak = rank_peak_flops(ctx, dtype)
-    out.update(flops_per_step=float(flops), hardware_flops_per_step=float(hw), peak_flops=peak)
-    if peak and step_time and step_time == step_time:
-        rep = mfu_report(flops, step_time, peak, 1, hardware_flops_per_step=hw)
-        out["mfu"], out["hfu"] = rep.mfu, rep.hfu
+    reading = rank_peak(ctx, dtype)
+    out.update(flops_per_step=float(flops), hardware_flops_per_step=float(hw))
+    timed = bool(step_time) and step_time == step_time and step_time > 0
+
+    def over(r) -> bool:  # HFU >= MFU, so HFU above 100 % is the first sign
+        return r is not None and timed and hw / (r.flops * step_time) > 1.0
+
+    if not ctx.is_cuda and any_rank(ctx, over(reading)):  # collective: all measure, or none
+        reading = rank_peak(ctx, dtype, refresh=True)
+    out.update(peak_flops=None if reading is None else reading.flops, **peak_metrics(reading))
+    if reading is None or not timed:
+        return out
+    if over(reading):
+        out["mfu_error"] = _mfu_error(flops, hw, step_time, reading)
+        return out
+    try:
+        rep = mfu_report(flops, step_time, reading.flops, 1, hardware_flops_per_step=hw)
+    except ValueError as e:  # above 100 % by a rounding the check above did not see
+        out["mfu_error"] = str(e)
+        return out
+    out["mfu"], out["hfu"] = rep.mfu, rep.hfu
     return out
+
+
+def _mfu_error(flops: float, hw: float, step_time: float, reading) -> str:
+    age = "" if reading.measured_at != reading.measured_at else \
+        f", measured {reading.age_s():.0f} s ago under {reading.conditions}"
+    return (f"HFU {100 * hw / (reading.flops * step_time):.1f} % > 100 %: {hw:.4g} FLOP "
+            f"({flops:.4g} model) in {step_time:.4g} s exceeds the peak "
+            f"{reading.flops:.4g} FLOP/s ({reading.source}{age}); the peak is not a ceiling, "
+            f"or the FLOPs or the step time are wrong")
