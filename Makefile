@@ -2,6 +2,7 @@
 #   make lab    -- JupyterLab on http://127.0.0.1:8888 (loopback only), notebooks/ as root
 #   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
 #   make bench  -- run every benchmarks/*.py
+#   make sweep  -- random compositions against the independent oracle (N=40, SEED=0)
 #   make clean  -- remove build/test debris (keeps .venv);  make distclean also drops .venv
 # Everything runs from .venv, created on demand with the pinned versions in constraints.txt.
 
@@ -21,10 +22,10 @@ NBVAL    ?= --nbval-lax
 # Jupyter refuses to start as root unless told so (CI runs as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help .venv venv lab test chromium bench clean distclean
+.PHONY: help .venv venv lab test chromium bench sweep clean distclean
 
 help:
-	@echo "make lab | test | bench | clean | distclean | .venv"
+	@echo "make lab | test | bench | sweep | clean | distclean | .venv"
 
 # ---------------------------------------------------------------- virtualenv
 .venv venv: $(STAMP)
@@ -95,6 +96,14 @@ bench: $(STAMP)
 	  echo "== $$f"; $(VPY) "$$f" || { rc=$$?; echo "!! $$f failed (exit $$rc)"; }; \
 	done; \
 	exit $$rc
+
+# ---------------------------------------------------------------- sweep
+# Not in CI: N random compositions of the training job, each checked on every rank against
+# the single-process oracle in tests/oracle; prints every disagreement and a summary line.
+N    ?= 40
+SEED ?= 0
+sweep: $(STAMP)
+	$(VPY) benchmarks/matrix_sweep.py --n $(N) --seed $(SEED)
 
 # ---------------------------------------------------------------- clean
 clean:

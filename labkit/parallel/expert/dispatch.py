@@ -121,7 +121,8 @@ class ExpertParallelDispatcher:
         expert_of_row = local.repeat_interleave(recv.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         chunks = rows[by_expert].split(recv.sum(0).tolist())
-        outs = torch.cat([experts.expert(i, c) for i, c in enumerate(chunks)])
+        with _compute_in(rows.dtype, experts.w1.dtype, x.device.type):
+            outs = torch.cat([experts.expert(i, c) for i, c in enumerate(chunks)])
         outs = outs[torch.argsort(by_expert)]
         # 5. combine: rows back to their senders, weighted, summed per token
         back = AllToAllV.apply(outs, input_splits, output_splits, self.group, self.axis,
@@ -129,3 +130,16 @@ class ExpertParallelDispatcher:
         # weighted and summed in x's dtype, as the dense path does (bf16 autocast: fp32 sum)
         weight = routing.weights.reshape(-1)[choice].to(x.dtype)
         return torch.zeros_like(x).index_add(0, token, back.to(x.dtype) * weight[:, None])
+
+
+def _compute_in(rows_dtype: torch.dtype, weight_dtype: torch.dtype, device_type: str):
+    """The experts' precision when the tokens arrive narrower than the expert weights: bf16
+    ZeRO keeps the rest of the model's parameters in bf16 units but leaves the expert
+    parameters (reduced over their own group) in fp32, so their matmuls autocast to the
+    tokens' dtype, as every other matmul of the step computes in it."""
+    import contextlib
+
+    if rows_dtype == weight_dtype or not rows_dtype.is_floating_point \
+            or torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=rows_dtype)

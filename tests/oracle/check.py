@@ -1,0 +1,147 @@
+"""One composition run on the cluster, checked against the oracle: every rank's losses,
+first-step gradients (before the optimizer) and final parameters, the MoE routing counts
+and aux loss, and the FLOPs each data replica's ranks report.
+
+:func:`disagreements` returns readable lines, empty when everything agrees, so the CI test
+and the sweep (``benchmarks/matrix_sweep.py``) judge alike.
+
+Tolerances. fp32: ``1e-5`` absolute on losses, gradients and parameters (the two sides sum
+the same terms in different orders). bf16 runs are held against the fp32 oracle by a
+measured yardstick: the oracle itself under bf16 autocast. Each gradient's relative error
+``‖g − g_ref‖ / ‖g_ref‖`` may be up to ``2×`` the oracle's own bf16 error for that tensor
+plus ``BF16_FLOOR`` (measured: under 1 % for dense weights, up to 22 % for routers and
+experts, where bf16 flips near-ties of the top-k), the losses ``4×`` the oracle's own
+difference plus ``1e-3``, and parameters ``2·lr·steps``: AdamW moves a weight by about
+``lr`` per step whatever its gradient's scale, so after the optimizer that is all a bf16
+run can be held to; its gradients carry the real check.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .run import reference_flops, reference_run
+
+__all__ = ["disagreements", "oracle_for", "TOL", "BF16_FLOOR"]
+
+TOL = 1e-5
+BF16_FLOOR = 0.02
+_CACHE: dict = {}
+
+
+def oracle_for(cfg, bf16: bool = False) -> dict:
+    """:func:`reference_run` of ``cfg`` (``bf16``: under autocast), cached on what it
+    depends on."""
+    mc = cfg.model_config
+    key = (mc, cfg.global_batch, cfg.steps, cfg.seed, cfg.lr, cfg.weight_decay, cfg.adam_eps)
+    if mc.n_experts:  # the token groups
+        key += (cfg.parallel.dp, cfg.micro, cfg.parallel.cp, cfg.parallel.cp > 1 and cfg.cp_zigzag)
+    key += (bf16,)
+    if key not in _CACHE:
+        _CACHE[key] = reference_run(cfg, bf16=bf16)
+    return _CACHE[key]
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _replica(coords: dict, cfg) -> int:
+    """A rank's data-parallel index: ``dp_replicate × (dp / replicas) + dp_shard``."""
+    shards = cfg.parallel.dp // cfg.mesh.dp_replicate
+    return coords.get("dp_replicate", 0) * shards + coords.get("dp_shard", 0)
+
+
+def _layers_held(state: dict) -> list:
+    return sorted({int(m.group(1)) for n in state
+                   if (m := re.match(r"layers\.(\d+)\.mlp\.router\.", n))})
+
+
+def disagreements(result, cfg) -> list:
+    """Every way ``result`` (``cluster.run(jobs.train, cfg)`` with ``return_grads`` and
+    ``return_state``) differs from the oracle, one line each; ``[]`` when it agrees."""
+    ref, bad = oracle_for(cfg), []
+    bf16 = cfg.precision == "bf16"
+    loss_tol = TOL
+    if bf16:
+        own = oracle_for(cfg, bf16=True)
+        loss_tol = 1e-3 + 4 * max(abs(a - b) for a, b in zip(own["losses"], ref["losses"]))
+    for r, o in enumerate(result.outputs):
+        d = max(abs(a - b) for a, b in zip(o["losses"], ref["losses"]))
+        if len(o["losses"]) != cfg.steps or d > loss_tol:
+            bad.append(f"rank {r} losses {o['losses']} vs {ref['losses']} (|Δ| {d:.2e})")
+    held = set()
+    for key in ("grads", "state"):
+        for r, o in enumerate(result.outputs):
+            worst = (0.0, "")
+            for name, t in o[key].items():
+                held.add(name)
+                want = ref[key][name]
+                if t.shape != want.shape:
+                    bad.append(f"rank {r} {key} {name} shape {tuple(t.shape)} vs "
+                               f"{tuple(want.shape)}")
+                    continue
+                if key == "grads" and bf16:
+                    err = _rel(t, want)
+                    tol = BF16_FLOOR + 2 * _rel(own["grads"][name], want)
+                else:
+                    err = (t - want).abs().max().item()
+                    tol = 2 * cfg.lr * cfg.steps if bf16 else TOL
+                if err > tol and err > worst[0]:
+                    worst = (err, name)
+            if worst[0]:
+                bad.append(f"rank {r} {key}: worst {worst[1]} {worst[0]:.2e}")
+    missing = sorted(set(ref["state"]) - held)
+    if missing:
+        bad.append(f"no rank returned {missing}")
+    if cfg.model_config.n_experts:
+        bad += _routing(result, cfg, ref)
+    bad += _flops(result, cfg)
+    return bad
+
+
+def _routing(result, cfg, ref) -> list:
+    """Per step and layer: choices per expert (before and after dropping) summed over the
+    data ranks of tp index 0, and the aux loss averaged over the ranks holding the layer."""
+    bad = []
+    for s in range(cfg.steps):
+        counts, kept, aux = {}, {}, {}
+        for o in result.outputs:
+            rec, layers = o["routing"][s], _layers_held(o["state"])
+            for i, layer in enumerate(layers):
+                aux.setdefault(layer, []).append(rec["aux"][i])
+                if o["metrics"]["coords"].get("tp", 0) == 0:
+                    for acc, got in ((counts, rec["counts"][i]), (kept, rec["kept"][i])):
+                        acc[layer] = [a + b for a, b in zip(acc.get(layer, [0] * len(got)), got)]
+        for layer in sorted(aux):
+            mean = sum(aux[layer]) / len(aux[layer])
+            if abs(mean - ref["aux"][s][layer]) > (1e-2 if cfg.precision == "bf16" else 1e-5):
+                bad.append(f"step {s} layer {layer} aux {mean:.6f} vs {ref['aux'][s][layer]:.6f}")
+            if cfg.precision == "fp32":  # bf16 rounding may flip a near-tie in the top-k
+                for what, acc in (("counts", counts), ("kept", kept)):
+                    if acc[layer] != ref[what][s][layer]:
+                        bad.append(f"step {s} layer {layer} {what} {acc[layer]} vs "
+                                   f"{ref[what][s][layer]}")
+    return bad
+
+
+def _flops(result, cfg) -> list:
+    """Model FLOPs summed over each replica's ranks equal the oracle's count for that
+    replica; hardware FLOPs exceed them by exactly the recomputed forward."""
+    bad, per = [], {}
+    for o in result.outputs:
+        m = o["metrics"]
+        d = _replica(m["coords"], cfg)
+        got = per.setdefault(d, [0, 0])
+        got[0] += m["flops_per_step"]
+        got[1] += m["hardware_flops_per_step"]
+    for d, (model, hw) in sorted(per.items()):
+        want = reference_flops(cfg, d)
+        if model != want["model"]:
+            bad.append(f"replica {d} flops_per_step Σ {model:.0f} vs {want['model']} "
+                       f"(×{model / want['model']:.3f})")
+        if hw - model != want["recompute"]:
+            bad.append(f"replica {d} hardware − model flops {hw - model:.0f} vs recompute "
+                       f"{want['recompute']}")
+    return bad

@@ -1,0 +1,209 @@
+"""Compositions of the training job for the oracle to check: every dimension a
+:class:`~labkit.config.RunConfig` composes, as factors with a few values each.
+
+``pairwise(max_ranks)`` is an all-pairs covering set (every pair of factor values that some
+accepted config can hold appears in one);
+``random_configs(n, seed, max_ranks)`` draws compositions at random for a longer sweep.
+:func:`compose` turns a choice of factor values into a config: knobs of a parallelism that
+is off go back to their defaults (``validate`` refuses a knob that has no effect, which
+would hide the rest of the composition), and the model gets one layer per pipeline stage.
+The model is tiny: ``d_model`` 32, 4 heads of 8, 16 tokens, FFN 64, 4 experts.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from labkit.config import ModelConfig, RunConfig
+
+__all__ = ["FACTORS", "compose", "accepted", "pairwise", "random_configs", "label"]
+
+FACTORS: dict = {
+    "dp": [1, 2, 4],
+    "tp": [1, 2],
+    "cp": [1, 2],
+    "pp": [1, 2],
+    "ep": [1, 2],
+    "zero_stage": [0, 1, 2, 3],
+    "hsdp_replicas": [1, 2],
+    "sequence_parallel": [False, True],
+    "cp_method": ["ring", "ulysses", "allgather"],
+    "cp_zigzag": [True, False],
+    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+    "virtual_stages": [2, 3],
+    "mlp": ["dense", "top1", "top2", "top1-cap", "top2-cap"],
+    "tie_embeddings": [True, False],
+    "gqa": [False, True],
+    "precision": ["fp32", "bf16"],
+    "checkpoint": ["none", "full", "every", "selective"],
+    "impl": ["labkit", "torch"],
+    "accum": [1, 2],
+}
+NAMES = list(FACTORS)
+#: schedules that fix the stages per rank (interleaved takes ``virtual_stages``)
+_V = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2}
+GLOBAL_BATCH = 8
+
+
+def compose(choice: dict, steps: int = 2) -> RunConfig:
+    """The :class:`RunConfig` of one choice of factor values (``{factor: value}``)."""
+    c = dict(choice)
+    pp, tp, cp, dp, z = c["pp"], c["tp"], c["cp"], c["dp"], c["zero_stage"]
+    v = _V.get(c["schedule"], c["virtual_stages"]) if pp > 1 else 1
+    moe = c["mlp"] != "dense"
+    mc = ModelConfig(n_layers=max(2, pp * v), d_model=32, n_heads=4,
+                     n_kv_heads=2 if c["gqa"] else None, d_ff=64, seq_len=16,
+                     tie_embeddings=c["tie_embeddings"], n_experts=4 if moe else 0,
+                     top_k=2 if c["mlp"].startswith("top2") else 1,
+                     capacity_factor=1.0 if c["mlp"].endswith("cap") else None,
+                     aux_loss_weight=0.01, name="matrix")
+    local = GLOBAL_BATCH // dp
+    kw = dict(model=mc, parallel=dict(dp=dp, tp=tp, cp=cp, pp=pp, ep=c["ep"] if moe else 1),
+              steps=steps, global_batch=GLOBAL_BATCH, zero_stage=z,
+              micro_batch=max(1, local // c["accum"]), precision=c["precision"],
+              checkpoint=c["checkpoint"], impl=c["impl"],
+              adam_eps=1e-6,  # near-zero gradients: see RunConfig.adam_eps
+              return_grads=True, return_state=True, measure_memory=False)
+    if c["checkpoint"] == "every" and pp == 1:
+        kw["checkpoint_every"] = 2  # one segment of both blocks (a pipeline stage has one)
+    if z >= 1:
+        kw["hsdp_replicas"] = c["hsdp_replicas"] if dp % c["hsdp_replicas"] == 0 else 1
+    if tp > 1:
+        kw["sequence_parallel"] = c["sequence_parallel"]
+    if cp > 1:
+        kw.update(cp_method=c["cp_method"], cp_zigzag=c["cp_zigzag"])
+    if pp > 1:
+        kw.update(schedule=c["schedule"], virtual_stages=v if c["schedule"] == "interleaved"
+                  else None)
+    return RunConfig(**kw)
+
+
+def accepted(cfg: RunConfig, max_ranks: int) -> bool:
+    """``validate`` accepts ``cfg`` on ``max_ranks`` ranks."""
+    try:
+        cfg.validate(max_ranks)
+        return True
+    except ValueError:
+        return False
+
+
+def label(cfg: RunConfig) -> str:
+    """A short id: the degrees and every knob that differs from the defaults."""
+    p, mc = cfg.parallel, cfg.model_config
+    parts = [f"dp{p.dp}tp{p.tp}cp{p.cp}pp{p.pp}ep{p.ep}", f"z{cfg.zero_stage}"]
+    if cfg.hsdp_replicas > 1:
+        parts.append(f"hsdp{cfg.hsdp_replicas}")
+    if cfg.sequence_parallel:
+        parts.append("sp")
+    if p.cp > 1:
+        parts.append(cfg.cp_method + ("-zz" if cfg.cp_zigzag else ""))
+    if p.pp > 1:
+        parts.append(f"{cfg.schedule}-V{cfg.stages_per_rank}")
+    parts.append(f"top{mc.top_k}{'cap' if mc.capacity_factor else ''}" if mc.n_experts
+                 else "dense")
+    parts += [s for s, on in (("untied", not mc.tie_embeddings), ("gqa", mc.n_kv_heads),
+                              ("bf16", cfg.precision == "bf16"),
+                              ("torch", cfg.impl == "torch")) if on]
+    if cfg.checkpoint != "none":
+        parts.append("ckpt-" + cfg.checkpoint)
+    if cfg.accum_steps > 1:
+        parts.append(f"acc{cfg.accum_steps}")
+    return "-".join(parts)
+
+
+def pairwise(max_ranks: int = 4, seed: int = 0, tries: int = 40) -> list:
+    """An all-pairs covering list of accepted configs on at most ``max_ranks`` ranks.
+
+    Greedy, in the manner of AETG (Cohen et al. 1997): each new config is the best of
+    ``tries`` candidates, each built around a pair not yet covered (the other factors drawn
+    at random) and kept only if ``validate`` accepts it; a pair no accepted candidate
+    holds after ``4·tries`` draws counts as impossible (e.g. ``impl="torch"`` with ``tp``).
+    Deterministic for a ``seed``.
+    """
+    rng = random.Random(seed)
+    pairs = {(i, a, j, b) for i in range(len(NAMES)) for j in range(i + 1, len(NAMES))
+             for a in FACTORS[NAMES[i]] for b in FACTORS[NAMES[j]]}
+
+    def covers(row) -> set:
+        return {(i, row[i], j, row[j]) for i in range(len(row)) for j in range(i + 1, len(row))}
+
+    def draw(pair):
+        i, a, j, b = pair
+        row = [rng.choice(FACTORS[n]) for n in NAMES]
+        row[i], row[j] = a, b
+        return tuple(row)
+
+    out, seen, impossible = [], set(), set()
+    while pairs - impossible:
+        todo = sorted(pairs - impossible, key=repr)
+        best, gain = None, 0
+        for _ in range(tries):
+            pair = rng.choice(todo)
+            for _ in range(4):
+                row = draw(pair)
+                if _accepted_row(row, max_ranks):
+                    g = len(covers(row) & pairs)
+                    if g > gain:
+                        best, gain = row, g
+                    break
+            else:
+                if not any(_accepted_row(draw(pair), max_ranks) for _ in range(4 * tries)):
+                    impossible.add(pair)
+        if best is None:
+            continue
+        pairs -= covers(best)
+        cfg = compose(dict(zip(NAMES, best)))
+        if cfg not in seen:
+            seen.add(cfg)
+            out.append(cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted_row(row: tuple, max_ranks: int) -> bool:
+    return accepted(compose(dict(zip(NAMES, row))), max_ranks)
+
+
+def random_configs(n: int, seed: int, max_ranks: int = 8) -> list:
+    """``n`` random choices (accepted or refused, on at most ``max_ranks`` ranks), seeded."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        cfg = compose({k: rng.choice(v) for k, v in FACTORS.items()})
+        if cfg.parallel.world_size <= max_ranks:
+            out.append(cfg)
+    return out
+
+
+
+
+def known_defects(cfg: RunConfig) -> list:
+    """The diagnosed labkit defects a composition runs into, as ``(raises, reason)``:
+    ``raises`` when the ranks raise, else the run disagrees with the oracle. Empty: it must
+    agree."""
+    p, mc = cfg.parallel, cfg.model_config
+    out = []
+    if mc.n_experts and mc.top_k == 1:
+        out.append((False, "top-1 routing renormalises the one chosen probability to weight 1.0 "
+                   "(Switch Transformer §2.1 weighs the expert output by p), so the LM loss "
+                   "never reaches the router: losses and gradients differ"))
+    if p.tp > 1:
+        out.append((False, "flops_per_step under tp: every tp rank reports the whole replica's "
+                   "FLOPs (the sum over a replica is tp x the oracle's)"))
+    if cfg.impl == "torch" and mc.n_experts and p.dp > 1:
+        out.append((False, "impl='torch' with experts: DDP broadcasts/averages rank-local experts "
+                   "and the aux loss is not rescaled for DDP's average"))
+    if mc.n_experts and mc.capacity_factor and (p.dp > 1 or p.pp > 1 or p.cp > 1
+                                                 or cfg.accum_steps > 1):
+        out.append((False, "FLOPs under a capacity factor are counted on a stand-in (microbatch 0 "
+                   "of a batch of `micro` rows times accum, one token group over the full "
+                   "sequence, zeros into later pipeline stages), so the experts' FLOPs miss "
+                   "each rank's real drops (labkit/train/flops.py)"))
+    if (cfg.zero_stage == 3 and cfg.checkpoint == "every" and cfg.checkpoint_every > 1
+            and p.dp * p.cp > 1 and cfg.impl == "labkit"):
+        out.append((True, "ZeRO-3 with checkpoint='every' over segments of more than one block: "
+                   "validate accepts it, every rank raises (FSDP unit inside a segment)"))
+    if (cfg.impl == "torch" and cfg.zero_stage == 3 and cfg.hsdp_replicas > 1
+            and p.dp == cfg.hsdp_replicas):
+        out.append((True, "impl='torch' FSDP2 with hsdp_replicas == dp raises on the ranks (a 2-D "
+                   "DeviceMesh with an fsdp axis of degree 1); validate accepts it"))
+    return out
