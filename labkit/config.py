@@ -210,8 +210,11 @@ class RunConfig:
         dp_mode: ZeRO 0: ``"ddp"`` (bucketed, overlapped all-reduce) or ``"naive"`` (one
             all-reduce per parameter after backward).
         bucket_mb: ``"ddp"`` bucket capacity in MiB (PyTorch's default is 25).
-        find_unused: ZeRO 0: all-reduce zeros for parameters that got no gradient instead
-            of raising (ZeRO units always do).
+        find_unused: ZeRO 0: a rank that got no gradient for a parameter contributes
+            zeros instead of raising, and a parameter no rank used keeps ``grad=None`` (torch
+            DDP's ``find_unused_parameters``). ZeRO units always reduce zeros instead: a
+            flat unit has one gradient for all its parameters, so AdamW's decay still moves
+            a parameter no rank used.
         schedule: pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
             ``zb-v``) when ``pp > 1``.
         microbatches: microbatches per pipeline flush (``pp > 1``); ``None`` runs all of a
