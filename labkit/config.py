@@ -226,7 +226,8 @@ class RunConfig:
         cp_zigzag: with ``cp > 1``: balance causal work with the zigzag split.
         checkpoint: activation checkpointing of the blocks: ``"none"``, ``"full"``,
             ``"every"`` (segments of ``checkpoint_every`` blocks) or ``"selective"``.
-        checkpoint_every: blocks per segment for ``checkpoint="every"``.
+        checkpoint_every: blocks per segment for ``checkpoint="every"`` (1 with ZeRO-3
+            over several data ranks: each unit gathers only its own block's parameters).
         precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 master weights and Adam
             state: 16 bytes per parameter with ZeRO's bf16 parameters and gradients).
         compile: ``torch.compile`` each transformer block.
