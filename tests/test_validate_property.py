@@ -19,7 +19,7 @@ from labkit.config import ModelConfig, ParallelConfig, RunConfig
 
 pytestmark = pytest.mark.distributed
 
-SEED, RUNS = 2024, 32
+SEED, RUNS = 2024, 40
 FIELDS = {f.name for cls in (RunConfig, ParallelConfig, ModelConfig)
           for f in dataclasses.fields(cls)} | {"kv heads", "ffn_dim", "head_dim", "n_stages"}
 MOE_TOP1 = next(m for m in MODELS if getattr(m, "name", "") == "moe-top1")
