@@ -212,8 +212,11 @@ class RunConfig:
         dp_mode: ZeRO 0: ``"ddp"`` (bucketed, overlapped all-reduce) or ``"naive"`` (one
             all-reduce per parameter after backward).
         bucket_mb: ``"ddp"`` bucket capacity in MiB (PyTorch's default is 25).
-        find_unused: ZeRO 0: all-reduce zeros for parameters that got no gradient instead
-            of raising (ZeRO units always do).
+        find_unused: ZeRO 0: a rank that got no gradient for a parameter contributes
+            zeros instead of raising, and a parameter no rank used keeps ``grad=None`` (torch
+            DDP's ``find_unused_parameters``). ZeRO units always reduce zeros instead: a
+            flat unit has one gradient for all its parameters, so AdamW's decay still moves
+            a parameter no rank used.
         schedule: pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
             ``zb-v``) when ``pp > 1``.
         microbatches: microbatches per pipeline flush (``pp > 1``); ``None`` runs all of a
@@ -225,7 +228,8 @@ class RunConfig:
         cp_zigzag: with ``cp > 1``: balance causal work with the zigzag split.
         checkpoint: activation checkpointing of the blocks: ``"none"``, ``"full"``,
             ``"every"`` (segments of ``checkpoint_every`` blocks) or ``"selective"``.
-        checkpoint_every: blocks per segment for ``checkpoint="every"``.
+        checkpoint_every: blocks per segment for ``checkpoint="every"`` (1 with ZeRO-3
+            over several data ranks: each unit gathers only its own block's parameters).
         precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 master weights and Adam
             state: 16 bytes per parameter with ZeRO's bf16 parameters and gradients).
         compile: ``torch.compile`` each transformer block.

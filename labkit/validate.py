@@ -95,6 +95,7 @@ def validate_run(cfg, world_size: Optional[int] = None) -> None:
     _model(cfg, mc)
     _pipeline(cfg, mc)
     _composition(cfg, mc)
+    _rank_limits(cfg)
 
 
 def _fields(cfg) -> None:
@@ -276,3 +277,22 @@ def _composition(cfg, mc) -> None:
         raise ValueError("compile=True with zero_stage=3: labkit's FSDP re-installs parameter "
                          "views on every forward, which torch.compile would re-trace; use "
                          "zero_stage 0-2")
+
+
+def _rank_limits(cfg) -> None:
+    """What the ranks themselves would refuse or fail on, refused here first (found by the
+    generated configs of tests/test_validate_property.py)."""
+    p, z = cfg.parallel, cfg.zero_stage
+    data_ranks = p.dp * p.cp
+    if z == 3 and cfg.checkpoint == "every" and cfg.checkpoint_every > 1 and data_ranks > 1:
+        raise ValueError(f"zero_stage=3 with checkpoint='every' and checkpoint_every="
+                         f"{cfg.checkpoint_every}: a segment's first block recomputes all "
+                         f"{cfg.checkpoint_every} of its blocks, but each ZeRO-3 unit is one "
+                         "block and gathers its parameters only when its own forward runs; "
+                         "use checkpoint_every=1, checkpoint='full' or 'selective', or "
+                         "zero_stage 0-2")
+    if cfg.impl == "torch" and z == 3 and cfg.hsdp_replicas > 1 and cfg.hsdp_replicas == p.dp:
+        raise ValueError(f"impl='torch' with hsdp_replicas={cfg.hsdp_replicas} = dp={p.dp}: "
+                         "every replica would be one shard, and PyTorch's FSDP2 mesh "
+                         "(replicate, shard) is built here with a shard degree > 1; use "
+                         "hsdp_replicas < dp or impl='labkit'")

@@ -485,4 +485,84 @@ def unused_pattern(ctx, cfg: dict) -> dict:
         with (_null() if sync else model.no_sync()):
             model(torch.full((2, 4), float(ctx.rank + 1 + k))).backward()
     model.finish_gradient_sync()
-    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    return _plain_grads(model.module)
+
+
+# ------------------------------------------------------------------ unused vs torch DDP
+class SomeUnused(nn.Module):
+    """``used`` every rank, ``rank0`` only on rank 0's forward, ``never`` on no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.rank0 = nn.Linear(4, 3)
+        self.never = nn.Linear(4, 3)
+
+    def forward(self, x, use_rank0: bool):
+        y = self.used(x)
+        if use_rank0:
+            y = y + self.rank0(x)
+        return y.pow(2).mean()
+
+
+UNUSED_LR, UNUSED_WD = 0.1, 0.5
+
+
+def _unused_input(rank: int) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.float32).reshape(2, 4) / 4 - rank
+
+
+def _unused_outcome(model, grads: dict) -> dict:
+    return {"grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _plain_grads(model) -> dict:
+    return {n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def unused_vs_torch(ctx, cfg: dict) -> dict:
+    """One AdamW step (lr 0.1, weight decay 0.5) of :class:`SomeUnused` on every rank, as a
+    user's job: labkit ``DataParallel(mode, find_unused=True)`` (``"ddp"``, ``"naive"``),
+    torch's own ``DistributedDataParallel(find_unused_parameters=True)``, ZeRO ``stage`` 1–3,
+    and one process over all the ranks' inputs (computed on each rank alone, no
+    collectives). Returns per implementation the gradients before the step (``None`` kept)
+    and the parameters after it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n, r = ctx.world_size, ctx.rank
+    out = {}
+
+    def fresh():
+        torch.manual_seed(0)
+        return SomeUnused()
+
+    for kind in ("ddp", "naive", "torch", "zero1", "zero2", "zero3"):
+        model = fresh()
+        if kind == "torch":
+            w = DDP(model, process_group=ctx.group, find_unused_parameters=True)
+        elif kind.startswith("zero"):
+            w = _sharded(model, dict(stage=int(kind[-1])), ctx.group)
+        else:
+            w = DataParallel(model, ctx.group, kind, find_unused=True)
+        w(_unused_input(r), use_rank0=r == 0).backward()
+        if kind.startswith("zero"):
+            w.finish_gradient_sync()
+            grads = w.full_grads()
+            opt = w.optimizer(lr=UNUSED_LR, weight_decay=UNUSED_WD)
+            opt.step()
+            w.after_step()
+            out[kind] = {"grads": grads, "params": w.full_state_dict()}
+            continue
+        if kind != "torch":
+            w.finish_gradient_sync()
+        grads = _plain_grads(model)
+        torch.optim.AdamW(model.parameters(), lr=UNUSED_LR, weight_decay=UNUSED_WD).step()
+        out[kind] = _unused_outcome(model, grads)
+    model = fresh()  # one process: the mean of the ranks' losses
+    sum(model(_unused_input(q), use_rank0=q == 0) for q in range(n)).div(n).backward()
+    grads = _plain_grads(model)
+    torch.optim.AdamW(model.parameters(), lr=UNUSED_LR, weight_decay=UNUSED_WD).step()
+    out["one"] = _unused_outcome(model, grads)
+    return out

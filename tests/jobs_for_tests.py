@@ -23,7 +23,7 @@ class TwoHeads(nn.Module):
 
 def two_heads(ctx, cfg) -> dict:
     """One DP step of a model whose ``head_b`` gets no gradient. ``cfg`` is
-    ``(mode, find_unused)``; returns the synced gradients."""
+    ``(mode, find_unused)``; returns the synced gradients (``None``: none)."""
     mode, find_unused = cfg
     torch.manual_seed(0)
     model = DataParallel(TwoHeads(), ctx.group, mode=mode, bucket_mb=1.0,
@@ -31,7 +31,8 @@ def two_heads(ctx, cfg) -> dict:
     x = torch.full((2, 4), float(ctx.rank + 1))
     model(x).backward()
     model.finish_gradient_sync()
-    return {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in model.module.named_parameters()}
 
 
 def error_of(ctx, cfg):

@@ -314,3 +314,60 @@ def tp_hooks(ctx, run: TPRun) -> dict:
             "starts": (i0.vocab_start, i1.vocab_start), "tied": (i0.tied, i1.tied),
             "positions": (i0.positions_set, i1.positions_set),
             "boundary": i0.boundary_shape(run.batch, run.model.seq_len, run.model.d_model)}
+
+
+# ------------------------------------------------------------------ biased linears
+def biased_pair(ctx, cfg: dict) -> dict:
+    """``Linear(8→16, bias) → tanh → Linear(16→8, bias)`` split column → row over tp groups
+    of ``cfg["tp"]`` consecutive ranks (several groups: the tp group is not the whole world),
+    with ``cfg["sp"]`` sequence parallelism; each tp group gets its own input. Returns this
+    rank's output, input gradient and parameter gradients beside one process's ``nn.Linear``
+    pair on the same input, sliced as this rank holds them."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from labkit.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    t, sp, r = cfg["tp"], cfg["sp"], ctx.rank
+    groups = [dist.new_group(list(range(g, g + t))) for g in range(0, ctx.world_size, t)]
+    group, k, d = groups[r // t], r % t, r // t
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    gen = torch.Generator().manual_seed(100 + d)
+    x = torch.randn(2, 4, 8, generator=gen)
+    w_out = torch.randn(2, 4, 8, generator=gen)
+    # one process
+    xr = x.clone().requires_grad_()
+    yr = lin2(torch.tanh(lin1(xr)))
+    (yr * w_out).sum().backward()
+    # this rank's shard
+    col = ColumnParallelLinear.from_linear(lin1, group, k, sequence_parallel=sp)
+    row = RowParallelLinear.from_linear(lin2, group, k, sequence_parallel=sp)
+    s = x.shape[1] // t
+    cut = (lambda z: z[:, k * s:(k + 1) * s]) if sp else (lambda z: z)
+    xl = cut(x).clone().requires_grad_()
+    y = row(torch.tanh(col(xl)))
+    (y * cut(w_out)).sum().backward()
+    f = 16 // t
+    # the fused gate/up matmuls of ParallelSwiGLU add their column biases too
+    from types import SimpleNamespace
+
+    from labkit.parallel.tensor.attention import ParallelSwiGLU
+
+    mlp = SimpleNamespace(w1=nn.Linear(8, 16), w3=nn.Linear(8, 16), w2=nn.Linear(16, 8))
+    xr2 = x.clone().requires_grad_()
+    ((mlp.w2(F.silu(mlp.w1(xr2)) * mlp.w3(xr2))) * w_out).sum().backward()
+    par = ParallelSwiGLU(mlp, group, k, sequence_parallel=sp)
+    xl2 = cut(x).clone().requires_grad_()
+    y2 = par(xl2)
+    (y2 * cut(w_out)).sum().backward()
+    return {"swiglu.y": (y2.detach(), cut(mlp.w2(F.silu(mlp.w1(x)) * mlp.w3(x)).detach())),
+            "swiglu.dx": (xl2.grad, cut(xr2.grad)),
+            "swiglu.w1.bias": (par.w1.bias.grad, mlp.w1.bias.grad[k * f:(k + 1) * f]),
+            "swiglu.w3.bias": (par.w3.bias.grad, mlp.w3.bias.grad[k * f:(k + 1) * f]),
+            "swiglu.w2.bias": (par.w2.bias.grad, mlp.w2.bias.grad),
+            "y": (y.detach(), cut(yr.detach())), "dx": (xl.grad, cut(xr.grad)),
+            "col.weight": (col.weight.grad, lin1.weight.grad[k * f:(k + 1) * f]),
+            "col.bias": (col.bias.grad, lin1.bias.grad[k * f:(k + 1) * f]),
+            "row.weight": (row.weight.grad, lin2.weight.grad[:, k * f:(k + 1) * f]),
+            "row.bias": (row.bias.grad, lin2.bias.grad)}

@@ -85,7 +85,8 @@ def test_unused_parameter_is_named_not_hung(cluster2, mode):
     assert len(errors) == 2 and all(e is not None and e["type"] == "RuntimeError"
                                     and "head_b" in e["message"] for e in errors), errors
     grads = cluster2.run("jobs_for_tests:two_heads", (mode, True), timeout_s=30).outputs
-    assert torch.equal(grads[0]["head_b.weight"], torch.zeros(1, 4))
+    # no rank used it: grad stays None on every rank, as torch DDP's find_unused_parameters
+    assert all(g["head_b.weight"] is None and g["head_b.bias"] is None for g in grads)
     assert torch.equal(grads[0]["body.weight"], grads[1]["body.weight"])
 
 

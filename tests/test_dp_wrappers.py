@@ -321,7 +321,8 @@ def test_zero3_refuses_multi_block_checkpoint_segments(cluster2):
 def test_unused_parameter_raises_under_every_pattern(cluster2, mode, pattern):
     """A parameter no microbatch used is named (not hung, not silently zero) whether the
     microbatches were synced or not, on every rank (read with ``error_of``: no pool
-    restart); with find_unused it gets zeros and the rest the mean."""
+    restart); with find_unused it keeps grad None on every rank (no rank used it, as torch
+    DDP) and the rest get the mean."""
     errors = cluster2.run("jobs_for_tests:error_of", (
         "jobs_dp:unused_pattern", dict(mode=mode, find_unused=False, pattern=pattern)),
         timeout_s=60).outputs
@@ -330,6 +331,46 @@ def test_unused_parameter_raises_under_every_pattern(cluster2, mode, pattern):
     out = cluster2.run("jobs_dp:unused_pattern", dict(mode=mode, find_unused=True,
                                                       pattern=pattern), timeout_s=60).outputs
     for o in out:
-        assert torch.equal(o["head_b.weight"], torch.zeros(1, 4))
+        assert o["head_b.weight"] is None and o["head_b.bias"] is None
         for name in ("body.weight", "body.bias", "head_a.weight", "head_a.bias"):
             assert torch.equal(o[name], out[0][name]) and o[name].abs().sum() > 0
+
+
+def test_unused_parameters_match_torch_ddp_and_one_process(cluster2):
+    """``never`` (no rank uses it) and ``rank0`` (rank 0 only) under
+    ``DataParallel(find_unused=True)``, both modes, on every rank equal torch's
+    ``DistributedDataParallel(find_unused_parameters=True)`` and one process over both ranks'
+    inputs: ``never`` keeps grad None, so AdamW's weight decay leaves it alone; ``rank0``
+    gets the mean with rank 1 contributing zeros. ZeRO's flat units give every parameter a
+    gradient, so there ``never`` gets zeros and decays by exactly ``lr·wd`` — the documented
+    difference (RunConfig.find_unused, ShardedDataParallel); everything else matches."""
+    from jobs_dp import UNUSED_LR, UNUSED_WD
+
+    outs = cluster2.run("jobs_dp:unused_vs_torch", {}, timeout_s=60).outputs
+    init = outs[0]["one"]["params"]  # never moves in one process: its initial value
+    for rank, out in enumerate(outs):
+        one = out["one"]
+        assert one["grads"]["never.weight"] is None and one["grads"]["rank0.weight"] is not None
+        for kind in ("ddp", "naive", "torch"):
+            got = out[kind]
+            for name, ref in one["grads"].items():
+                g = got["grads"][name]
+                assert (g is None) == (ref is None), (rank, kind, name, g)
+                if ref is not None:
+                    torch.testing.assert_close(g, ref, rtol=0, atol=1e-6,
+                                               msg=f"rank {rank} {kind} grad {name}")
+            for name, ref in one["params"].items():
+                torch.testing.assert_close(got["params"][name], ref, rtol=0, atol=1e-6,
+                                           msg=f"rank {rank} {kind} param {name}")
+        for kind in ("zero1", "zero2", "zero3"):
+            got = out[kind]
+            for name, ref in one["grads"].items():
+                want = torch.zeros_like(init[name]) if ref is None else ref
+                torch.testing.assert_close(got["grads"][name], want, rtol=0, atol=1e-6,
+                                           msg=f"rank {rank} {kind} grad {name}")
+            for name, ref in one["params"].items():
+                if name.startswith("never."):  # zero gradient: only the decay moves it
+                    ref = init[name] * (1 - UNUSED_LR * UNUSED_WD)
+                    assert not torch.equal(ref, init[name])
+                torch.testing.assert_close(got["params"][name], ref, rtol=0, atol=1e-6,
+                                           msg=f"rank {rank} {kind} param {name}")

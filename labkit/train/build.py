@@ -285,13 +285,11 @@ def _precision(cfg, device) -> Callable:
     the optimizer); everything else autocasts the forward to bf16 over fp32 weights."""
     import contextlib
 
-    if cfg.precision == "fp32" or (cfg.zero_stage > 0 and _data_ranks(cfg) > 1):
+    from .data import bf16_parameters
+
+    if cfg.precision == "fp32" or bf16_parameters(cfg):
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-def _data_ranks(cfg) -> int:
-    return cfg.parallel.dp * cfg.parallel.cp
 
 
 def _data_parallel(setup: RankSetup) -> None:

@@ -14,7 +14,7 @@ import torch
 from ..models.data import make_batch
 from ..trace import region
 
-__all__ = ["local_rows", "rank_batch", "tokens_per_sample"]
+__all__ = ["local_rows", "rank_batch", "tokens_per_sample", "bf16_parameters"]
 
 
 def local_rows(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
@@ -38,7 +38,19 @@ def rank_batch(cfg, step: int, dp_index: int, device, cp_index: int = 0) -> tupl
 
             x = shard_sequence(x, cp_index, cp, cfg.cp_zigzag, dim=1)
             y = shard_sequence(y, cp_index, cp, cfg.cp_zigzag, dim=1)
+        if x.is_floating_point() and bf16_parameters(cfg):
+            # images meet bf16 weights directly (no autocast to cast them), as autocast
+            # would cast them for the patch embedding
+            x = x.to(torch.bfloat16)
         return x.contiguous().to(device), y.contiguous().to(device)
+
+
+def bf16_parameters(cfg) -> bool:
+    """The model computes with bf16 parameters rather than under autocast: bf16 with ZeRO
+    1-3 over more than one data rank keeps bf16 parameters in its flat units (fp32 masters
+    in the optimizer); every other bf16 run autocasts the forward over fp32 weights."""
+    p = cfg.parallel
+    return cfg.precision == "bf16" and cfg.zero_stage > 0 and p.dp * p.cp > 1
 
 
 def tokens_per_sample(cfg) -> int:

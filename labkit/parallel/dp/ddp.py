@@ -134,8 +134,12 @@ class DataParallel(nn.Module):
         group: process group of the data-parallel ranks (``None``: the default group).
         mode: ``"ddp"`` (bucketed, overlapped) or ``"naive"`` (per-parameter, after backward).
         bucket_mb: bucket capacity in MiB for ``"ddp"`` (torch DDP's default is 25).
-        find_unused: if a parameter got no gradient in a step, all-reduce zeros for it
-            instead of raising.
+        find_unused: a parameter that got no gradient on this rank (``.grad is None`` at
+            ``finish_gradient_sync``) contributes zeros instead of raising; one that got
+            none on *every* rank keeps ``.grad`` untouched (``None``), so the optimizer
+            skips it — torch DDP's ``find_unused_parameters=True`` (its reducer all-reduces
+            a used-map and leaves globally unused gradients alone). Costs one extra
+            all-reduce of one float per parameter per step, as torch's.
         axis: mesh axis name stamped on the trace events.
         reduce_op: ``"avg"`` (mean over ranks, torch DDP's) or ``"sum"``.
         ignored_params: parameters this wrapper leaves alone — no broadcast, no hook, no
@@ -258,7 +262,10 @@ class DataParallel(nn.Module):
         self._refuse_repeat()
         if self.mode == "naive":
             self._missing([n for n, p in self.params if p.grad is None])
+            used = self._used_anywhere()
             for _, p in self.params:
+                if id(p) not in used:
+                    continue  # no rank used it: its gradient stays None, as torch DDP's
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 comm.all_reduce(p.grad, op=self.reduce_op, group=self.group, axis=self.axis)
@@ -267,16 +274,33 @@ class DataParallel(nn.Module):
             self._missing([n for b in todo for n, p in b.params if p.grad is None])
             for b in todo:  # in bucket order, like the rounds
                 self._launch(b)
+            used = self._used_anywhere()  # after every bucket went out: one order everywhere
             for b in self.buckets:
                 b.handle.wait()
                 for (_, p), off in zip(b.params, b.offsets):
                     view = b.buffer[off:off + p.numel()].view_as(p)
+                    if id(p) not in used:
+                        continue  # no rank used it: its gradient stays None, as torch DDP's
                     if p.grad is None:
                         p.grad = view.clone()
                     else:
                         p.grad.copy_(view)
                 b.handle, b.stamps = None, None
         self._synced = [grad_stamp(p.grad) for _, p in self.params]
+
+    def _used_anywhere(self) -> set:
+        """``id`` s of the parameters some rank produced a gradient for this step. Without
+        ``find_unused`` every parameter has one (``_missing`` raised otherwise); with it,
+        the ranks all-reduce a used-map (one float per parameter), as torch DDP's reducer
+        does, so a parameter no rank used keeps ``grad=None`` on every rank."""
+        if not self.find_unused:
+            return {id(p) for _, p in self.params}
+        if not self.params:
+            return set()
+        flags = torch.tensor([float(p.grad is not None) for _, p in self.params],
+                             device=self.params[0][1].device)
+        comm.all_reduce(flags, op="sum", group=self.group, axis=self.axis, used_map=True)
+        return {id(p) for (_, p), f in zip(self.params, flags.tolist()) if f > 0}
 
     def _refuse_repeat(self) -> None:
         if self.params and self._synced is not None and all(
@@ -294,8 +318,9 @@ class DataParallel(nn.Module):
             raise RuntimeError(
                 f"data parallel: parameter(s) {', '.join(names)} received no gradient this "
                 f"step, so their bucket can never be all-reduced. Use them in the forward "
-                f"pass, freeze them (requires_grad=False), or pass find_unused=True to "
-                f"all-reduce zeros for them (torch DDP: find_unused_parameters=True).")
+                f"pass, freeze them (requires_grad=False), or pass find_unused=True (torch "
+                f"DDP: find_unused_parameters=True): this rank then contributes zeros, and a "
+                f"parameter no rank used keeps grad None.")
 
 
 def torch_ddp(module: nn.Module, group=None, bucket_mb: float = 25.0,

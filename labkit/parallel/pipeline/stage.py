@@ -132,11 +132,10 @@ class WeightGradStore:
         # comes from the saved tensors, which still require grad): every microbatch's
         # activations would stay alive in .grad until the optimizer step
         for module, x, g in self.pending.pop(key, []):
-            gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
             w = module.weight
-            # under bf16 autocast X and dY are bf16 over an fp32 weight: its gradient is
-            # fp32, as autograd's cast back from the autocast copy would make it
-            gw = gw.to(w.dtype)
+            # under bf16 autocast X and dY are bf16: the product is bf16, cast to the fp32
+            # weight's dtype as autograd's own cast node does on the fused path
+            gw = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(w.dtype)
             w.grad = gw if w.grad is None else w.grad.add_(gw)
 
     def __len__(self) -> int:

@@ -83,6 +83,11 @@ class ParallelAttention(nn.Module):
                    tags=dict(self.tags, site="attn_in"))
         self.wq = ColumnParallelLinear.from_linear(attn.wq, group, rank, **col)
         if self.kv_replicated:
+            if getattr(attn.wk, "bias", None) is not None or getattr(attn.wv, "bias", None) \
+                    is not None:
+                raise ValueError(f"tensor parallelism: kv_heads={k} < tp={n} replicates the "
+                                 "K/V weights, which is written for bias-free wk/wv; use "
+                                 "tp <= kv_heads or bias=False")
             head = rank // (n // k)               # the K/V head of this rank's query heads
             self.wk = ReplicatedKV(attn.wk.weight, head, d, group, dict(self.tags, site="wk_grad"))
             self.wv = ReplicatedKV(attn.wv.weight, head, d, group, dict(self.tags, site="wv_grad"))
@@ -98,9 +103,11 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        q, k, v = column_matmuls(x, (self.wq.weight, self._kv(self.wk), self._kv(self.wv)),
-                                 self.group, sequence_parallel=self.sequence_parallel,
-                                 regather=self.regather, **self.tags, site="attn_in")
+        q, k, v = with_biases(
+            column_matmuls(x, (self.wq.weight, self._kv(self.wk), self._kv(self.wv)),
+                           self.group, sequence_parallel=self.sequence_parallel,
+                           regather=self.regather, **self.tags, site="attn_in"),
+            (self.wq, self.wk, self.wv))
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -117,6 +124,13 @@ class ParallelAttention(nn.Module):
         else:
             out = attention_core(q, k, v, self.causal, self.impl)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+def with_biases(ys: tuple, layers: tuple) -> tuple:
+    """Each column-parallel output plus its layer's bias shard (if any): the fused matmuls
+    take weights only."""
+    return tuple(y if getattr(m, "bias", None) is None else y + m.bias
+                 for y, m in zip(ys, layers))
 
 
 class ParallelSwiGLU(nn.Module):
@@ -148,7 +162,9 @@ class ParallelSwiGLU(nn.Module):
                                                 tags=dict(self.tags, site="mlp_out"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_matmuls(x, (self.w1.weight, self.w3.weight), self.group,
-                                  sequence_parallel=self.sequence_parallel,
-                                  regather=self.regather, **self.tags, site="mlp_in")
+        gate, up = with_biases(
+            column_matmuls(x, (self.w1.weight, self.w3.weight), self.group,
+                           sequence_parallel=self.sequence_parallel, regather=self.regather,
+                           **self.tags, site="mlp_in"),
+            (self.w1, self.w3))
         return self.w2(F.silu(gate) * up)

@@ -219,7 +219,7 @@ def _shard_specs(module: nn.Module, full_name, vocab: int, n: int) -> dict:
             dim, size = 0, vocab
         elif isinstance(owner, ColumnParallelLinear):
             dim, size = 0, p.shape[0] * n
-        elif isinstance(owner, RowParallelLinear):
+        elif isinstance(owner, RowParallelLinear) and p.dim() == 2:  # its bias is whole
             dim, size = 1, p.shape[1] * n
         specs[name] = (full_name(name), dim, size)
     return specs

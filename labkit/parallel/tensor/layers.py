@@ -95,7 +95,9 @@ def row_output(y: torch.Tensor, group, *, sequence_parallel: bool = False,
 
 
 class ColumnParallelLinear(nn.Module):
-    """Column-parallel bias-free linear: ``weight`` ``(O/T, I)`` is this rank's output rows.
+    """Column-parallel linear: ``weight`` ``(O/T, I)`` is this rank's output rows, ``bias``
+    (optional) ``(O/T,)`` the matching output features (Shoeybi et al. 2019, §3: the bias
+    is split with the output features, so its gradient is complete on each rank).
 
     ``forward(x)``: ``x`` ``(B, S, I)`` (or ``(B, S/T, I)`` with sequence parallelism) →
     ``(B, S, O/T)``, the input entering the tp region through ``f`` / an all-gather.
@@ -103,21 +105,26 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: nn.Parameter, group, *, sequence_parallel: bool = False,
-                 regather: bool = False, tags: dict | None = None):
+                 regather: bool = False, tags: dict | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
         self.tags = dict(tags or {})
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, **kw) -> "ColumnParallelLinear":
+        """Rank ``rank``'s shard of ``linear`` (its bias too, sliced like the rows)."""
         n = tp_size(group)
-        return cls(nn.Parameter(shard_rows(linear.weight, rank, n)), group, **kw)
+        b = getattr(linear, "bias", None)
+        bias = None if b is None else nn.Parameter(shard_rows(b, rank, n))
+        return cls(nn.Parameter(shard_rows(linear.weight, rank, n)), group, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_matmuls(x, (self.weight,), self.group,
-                              sequence_parallel=self.sequence_parallel,
-                              regather=self.regather, **self.tags)[0]
+        y = column_matmuls(x, (self.weight,), self.group,
+                           sequence_parallel=self.sequence_parallel,
+                           regather=self.regather, **self.tags)[0]
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         o, i = self.weight.shape
@@ -125,27 +132,42 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Row-parallel bias-free linear: ``weight`` ``(O, I/T)`` is this rank's input columns.
+    """Row-parallel linear: ``weight`` ``(O, I/T)`` is this rank's input columns; ``bias``
+    (optional) ``(O,)`` is whole on every rank and added once, *after* the reduction (added
+    before it, the all-reduce would count it ``T`` times; Shoeybi et al. 2019, §3).
 
     ``forward(x)``: ``x`` ``(B, S, I/T)`` → ``(B, S, O)`` after the all-reduce ``g``, or
-    ``(B, S/T, O)`` after the reduce-scatter with sequence parallelism.
+    ``(B, S/T, O)`` after the reduce-scatter with sequence parallelism. The bias gradient is
+    the sum of the output gradient over the tokens, never divided by ``T``: after ``g`` every
+    rank sees every token, so its gradient is already complete; with sequence parallelism
+    each rank sees ``S/T`` tokens, so the bias enters through ``f`` (identity forward,
+    all-reduce backward) and its gradient is summed over the tp ranks, as
+    :class:`ParallelRMSNorm`'s weight (Korthikanti et al. 2022, §4.2.2).
     """
 
     def __init__(self, weight: nn.Parameter, group, *, sequence_parallel: bool = False,
-                 tags: dict | None = None):
+                 tags: dict | None = None, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel = group, sequence_parallel
         self.tags = dict(tags or {})
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, rank: int, **kw) -> "RowParallelLinear":
+        """Rank ``rank``'s shard of ``linear`` (its bias whole: added after the reduction)."""
         n = tp_size(group)
-        return cls(nn.Parameter(shard_cols(linear.weight, rank, n)), group, **kw)
+        b = getattr(linear, "bias", None)
+        bias = None if b is None else nn.Parameter(b.detach().clone())
+        return cls(nn.Parameter(shard_cols(linear.weight, rank, n)), group, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_output(F.linear(x, self.weight), self.group,
-                          sequence_parallel=self.sequence_parallel, **self.tags)
+        y = row_output(F.linear(x, self.weight), self.group,
+                       sequence_parallel=self.sequence_parallel, **self.tags)
+        if self.bias is None:
+            return y
+        b = copy_to_tp(self.bias, self.group, **self.tags) if self.sequence_parallel \
+            else self.bias
+        return y + b
 
     def extra_repr(self) -> str:
         o, i = self.weight.shape

@@ -10,6 +10,14 @@ backward: a unit whose gradient is ready waits for the units before it. When the
 ends, units that received no gradient in it send what they hold (zeros at least), so every
 rank has issued the same collectives before anything else runs.
 
+Unused parameters. A flat unit has one gradient for all its parameters, so a parameter no
+rank used gets zeros there, and AdamW's decoupled weight decay (and, after the first step,
+its momentum) still moves it; torch DDP (``find_unused_parameters=True``, and labkit's
+:class:`~labkit.parallel.dp.DataParallel` ``find_unused``) leave its ``grad`` None and the
+optimizer skips it. Freeze such parameters (``requires_grad=False``) or pass them as
+``ignored_params``. A parameter some ranks used gets the mean (sum) with zeros from the
+others, as under DDP (tests/test_dp_wrappers.py checks both against torch DDP).
+
 Accumulation, any pattern. Stages 2–3 reduce-scatter every microbatch and *add* the mean
 shards (their full gradient is dropped each time). Stage 1 keeps the full gradient: a
 synced backward reduce-scatters the whole local accumulation into a separate result, never

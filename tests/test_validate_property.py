@@ -1,0 +1,91 @@
+"""``validate`` accepts a config ⇔ the ranks run it, as a property over generated configs.
+
+Configs come from the seeded generator in tests/validate_configs.py (every field the job
+composes: degrees, ZeRO/HSDP, SP, CP method and zigzag, schedules, microbatches, virtual
+stages, checkpoint policies, precision, impl, models dense/MoE/GQA/ViT, batches, DP mode).
+An accepted config runs one step on the warm 4-rank cluster (world sizes 1-4); a refused one
+must be refused with a ``ValueError`` that names a field. ``python tests/validate_configs.py
+N SEED`` runs a larger sweep and prints every disagreement."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+import pytest
+from validate_configs import FIXED, MODELS, describe, draw
+
+from labkit.config import ModelConfig, ParallelConfig, RunConfig
+
+pytestmark = pytest.mark.distributed
+
+SEED, RUNS = 2024, 40
+FIELDS = {f.name for cls in (RunConfig, ParallelConfig, ModelConfig)
+          for f in dataclasses.fields(cls)} | {"kv heads", "ffn_dim", "head_dim", "n_stages"}
+MOE_TOP1 = next(m for m in MODELS if getattr(m, "name", "") == "moe-top1")
+
+#: configs the ranks once refused or crashed on after validate accepted them
+ONCE_CRASHED_NOW_RUN = [
+    # images (fp32) met ZeRO's bf16 flat parameters: the batch is now cast as autocast would
+    dict(model="vit-digits", dataset="digits", dp=2, zero_stage=1, precision="bf16"),
+    # the zero-bubble W pass assigned a bf16 dW to an fp32 weight under autocast
+    dict(pp=2, schedule="zb-h1", precision="bf16"),
+    # the experts' fp32 weights (outside ZeRO's bf16 units) met bf16 tokens: they now compute
+    # in the tokens' dtype, as autocast would
+    dict(model=MOE_TOP1, dp=2, ep=2, zero_stage=2, precision="bf16"),
+]
+ONCE_CRASHED_NOW_REFUSED = [
+    (dict(dp=2, zero_stage=3, checkpoint="every", checkpoint_every=2),
+     "checkpoint_every=2"),
+    (dict(dp=2, zero_stage=3, hsdp_replicas=2, impl="torch"), "hsdp_replicas=2"),
+]
+
+
+def _names_a_field(message: str) -> bool:
+    return any(re.search(rf"\b{re.escape(name)}\b", message) for name in FIELDS)
+
+
+def test_refusals_name_a_field_and_run_nothing():
+    """Every refusal of 250 generated configs is a ValueError naming a field."""
+    rng = random.Random(SEED + 1)
+    refused = 0
+    for _ in range(250):
+        cfg = draw(rng)
+        try:
+            cfg.validate(4)
+        except ValueError as e:
+            refused += 1
+            assert _names_a_field(str(e)), (describe(cfg), str(e))
+    assert 60 < refused < 220  # both sides of the property are reached
+
+
+@pytest.mark.parametrize("kw,named", ONCE_CRASHED_NOW_REFUSED,
+                         ids=[n for _, n in ONCE_CRASHED_NOW_REFUSED])
+def test_what_the_ranks_refused_is_refused_before_launch(kw, named):
+    cfg = RunConfig(**FIXED).replace(**kw)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        cfg.validate(4)
+
+
+def test_accepted_configs_run_one_step(cluster4):
+    """The first ``RUNS`` accepted generated configs (and those that once crashed) each run
+    one step; every failure is listed with its config."""
+    rng = random.Random(SEED)
+    todo = [RunConfig(**FIXED).replace(**kw) for kw in ONCE_CRASHED_NOW_RUN]
+    while len(todo) < RUNS + len(ONCE_CRASHED_NOW_RUN):
+        cfg = draw(rng)
+        try:
+            cfg.validate(4)
+        except ValueError:
+            continue
+        todo.append(cfg)
+    failures = []
+    for cfg in todo:
+        try:
+            r = cluster4.run("labkit.jobs:train", cfg)
+        except Exception as e:  # noqa: BLE001 - every failure is a finding
+            failures.append(f"{describe(cfg)}\n    {type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[-1][:300]}")
+            continue
+        assert len(r.outputs) == cfg.parallel.world_size
+    assert not failures, "validate accepted, the ranks failed:\n" + "\n".join(failures)
