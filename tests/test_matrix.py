@@ -92,8 +92,6 @@ def test_layout_invariance(layouts):
                 torch.testing.assert_close(g, want[name], atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason="flops_per_step under tp: every tp rank reports the "
-                   "whole replica's FLOPs")
 def test_layout_invariance_of_total_flops(layouts):
     """The FLOPs of a step summed over all ranks do not depend on the layout."""
     totals = {label(cfg): sum(m["flops_per_step"] for m in r.metrics) for cfg, r in layouts}

@@ -27,10 +27,13 @@ The split over ``tp · cp`` is an equal share of the stages' count. Tensor paral
 every matmul of a dense block and the head; norms, embedding lookups and the loss are no
 matmuls. What tp ranks *repeat* — an MoE layer stays whole on every tp rank, K/V projections
 when ``kv_heads < tp``, padding rows of a vocabulary that does not divide by ``tp`` — is not
-model work, so it is in neither count. With capacity-limited routing the counted experts are
-those the first microbatch dispatched (the analytic count assumes none is dropped).
+model work, so it is in neither count. With capacity-limited routing both counts are the
+nominal work, every token's ``top_k`` choices whether dropped or not (MoE MFU is reported on
+active parameters per token).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -120,7 +123,9 @@ def rank_flops_analytic(setup):
 def _count(cfg, stage_ids: tuple, policy: str, device) -> int:
     from ..parallel.pipeline.stage import StageModule
 
-    mc = cfg.model_config
+    # an MoE's model FLOPs are its nominal work, every token's k choices whether a capacity
+    # drops them or not: the count then does not depend on which rows this rank routed
+    mc = dataclasses.replace(cfg.model_config, capacity_factor=None)
     model = build_model(mc, device=device, seed=cfg.seed)
     x, y = make_batch(cfg.replace(global_batch=cfg.micro, parallel=type(cfg.parallel)()), 0)
     x, y = x.to(device), y.to(device)

@@ -108,6 +108,8 @@ class TorchPipeline:
         group = mg.group("pp")
         pstages = [P.PipelineStage(m, s, setup.schedule.n_stages, setup.device, group=group)
                    for s, m in sorted(setup.stages.items())]
+        for ps, (_, m) in zip(pstages, sorted(setup.stages.items())):
+            _unrecorded_shape_inference(ps, m)
         cls = getattr(P.schedules, TORCH_SCHEDULES[cfg.schedule])
         self.scale = 1.0
         self.last = [m for m in setup.stages.values() if m.is_last]
@@ -126,3 +128,29 @@ class TorchPipeline:
         else:
             self.schedule.step(**kw)
         return float(torch.stack([t.detach() for t in losses]).sum()) if losses else 0.0
+
+
+def _unrecorded_shape_inference(pstage, module) -> None:
+    """On its first step torch 2.13's ``PipelineStage`` runs one extra forward of real
+    tensors to learn its output shapes (``_forward_metadata_inference``). That forward is no
+    training work: routing it into the MoE layers' log counted an extra microbatch into step
+    0's expert loads. Run it with the routing log detached (a torch without that method
+    keeps its own behaviour)."""
+    from ..models.moe import moe_layers
+
+    infer = getattr(pstage, "_forward_metadata_inference", None)
+    layers = moe_layers(module)
+    if infer is None or not layers:
+        return
+
+    def quiet(*args, **kwargs):
+        logs = [m._log for m in layers]
+        for m in layers:
+            m._log = None
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for m, log in zip(layers, logs):
+                m._log = log
+    pstage._forward_metadata_inference = quiet
+

@@ -49,12 +49,17 @@ def compose(choice: dict, steps: int = 2) -> RunConfig:
     c = dict(choice)
     pp, tp, cp, dp, z = c["pp"], c["tp"], c["cp"], c["dp"], c["zero_stage"]
     v = _V.get(c["schedule"], c["virtual_stages"]) if pp > 1 else 1
-    moe = c["mlp"] != "dense"
+    moe, bf16 = c["mlp"] != "dense", c["precision"] == "bf16"
     mc = ModelConfig(n_layers=max(2, pp * v), d_model=32, n_heads=4,
                      n_kv_heads=2 if c["gqa"] else None, d_ff=64, seq_len=16,
                      tie_embeddings=c["tie_embeddings"], n_experts=4 if moe else 0,
-                     top_k=2 if c["mlp"].startswith("top2") else 1,
-                     capacity_factor=1.0 if c["mlp"].endswith("cap") else None,
+                     # bf16 routes top-2 without a capacity: a top-1 choice or a drop that
+                     # bf16 rounding flips at a near-tie moves a whole token to another
+                     # expert (measured: one token of 128 flipped, an expert's gradient
+                     # 10.7 % off, where the oracle's own bf16 run flipped none), which no
+                     # yardstick can bound; top-1 and capacity are checked in fp32
+                     top_k=2 if c["mlp"].startswith("top2") or bf16 else 1,
+                     capacity_factor=1.0 if c["mlp"].endswith("cap") and not bf16 else None,
                      aux_loss_weight=0.01, name="matrix")
     local = GLOBAL_BATCH // dp
     kw = dict(model=mc, parallel=dict(dp=dp, tp=tp, cp=cp, pp=pp, ep=c["ep"] if moe else 1),
@@ -182,28 +187,4 @@ def known_defects(cfg: RunConfig) -> list:
     agree."""
     p, mc = cfg.parallel, cfg.model_config
     out = []
-    if mc.n_experts and mc.top_k == 1:
-        out.append((False, "top-1 routing renormalises the one chosen probability to weight 1.0 "
-                   "(Switch Transformer §2.1 weighs the expert output by p), so the LM loss "
-                   "never reaches the router: losses and gradients differ"))
-    if p.tp > 1:
-        out.append((False, "flops_per_step under tp: every tp rank reports the whole replica's "
-                   "FLOPs (the sum over a replica is tp x the oracle's)"))
-    if cfg.impl == "torch" and mc.n_experts and p.dp > 1:
-        out.append((False, "impl='torch' with experts: DDP broadcasts/averages rank-local experts "
-                   "and the aux loss is not rescaled for DDP's average"))
-    if mc.n_experts and mc.capacity_factor and (p.dp > 1 or p.pp > 1 or p.cp > 1
-                                                 or cfg.accum_steps > 1):
-        out.append((False, "FLOPs under a capacity factor are counted on a stand-in (microbatch 0 "
-                   "of a batch of `micro` rows times accum, one token group over the full "
-                   "sequence, zeros into later pipeline stages), so the experts' FLOPs miss "
-                   "each rank's real drops (labkit/train/flops.py)"))
-    if (cfg.zero_stage == 3 and cfg.checkpoint == "every" and cfg.checkpoint_every > 1
-            and p.dp * p.cp > 1 and cfg.impl == "labkit"):
-        out.append((True, "ZeRO-3 with checkpoint='every' over segments of more than one block: "
-                   "validate accepts it, every rank raises (FSDP unit inside a segment)"))
-    if (cfg.impl == "torch" and cfg.zero_stage == 3 and cfg.hsdp_replicas > 1
-            and p.dp == cfg.hsdp_replicas):
-        out.append((True, "impl='torch' FSDP2 with hsdp_replicas == dp raises on the ranks (a 2-D "
-                   "DeviceMesh with an fsdp axis of degree 1); validate accepts it"))
     return out

@@ -13,6 +13,8 @@ aux loss enters the objective weighted by its share of the global batch's tokens
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -58,17 +60,24 @@ def _unique(p: dict) -> list:
     return out
 
 
-def reference_run(cfg, steps: int | None = None, bf16: bool = False) -> dict:
+def reference_run(cfg, steps: int | None = None, bf16: bool = False,
+                  bf16_weights: bool = False) -> dict:
     """Train ``cfg`` for ``steps`` (default ``cfg.steps``) on the global batches.
 
     Returns ``{"losses": [LM loss], "objectives": [LM + weighted aux], "aux": [[per MoE
     layer]] (unweighted, Σ_g (T_g/T) aux_g), "counts"/"kept": [[per layer (E,) totals]],
     "grads": {name: first-step gradient before the optimizer}, "state": {name: after
     training}}`` — every name of the model, a tied head under both names. ``bf16``: the
-    forward under bf16 autocast over the fp32 weights (to measure what bf16 alone changes).
+    forward under bf16 autocast over the fp32 weights (to measure what bf16 alone changes);
+    ``bf16_weights`` also rounds the initial weights to bf16, as ZeRO's bf16 flat units hold
+    them (the regime in which a capacity's drop decisions flip differently).
     """
     mc = cfg.model_config
     p = initial_params(cfg)
+    if bf16_weights:
+        with torch.no_grad():
+            for t in _unique(p):
+                t.copy_(t.bfloat16().float())
     opt = torch.optim.AdamW(_unique(p), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             eps=cfg.adam_eps)
     groups, n_groups = token_groups(cfg)
@@ -107,7 +116,10 @@ def reference_flops(cfg, replica: int = 0) -> dict:
     other matmul output. Attention is counted dense (every query-key pair), as torch's
     counters count it.
     """
-    mc, dp = cfg.model_config, cfg.parallel.dp
+    # model FLOPs of an MoE are its nominal work: every token's k choices, dropped by a
+    # capacity or not (6·N_active per token, as MoE MFU is reported), so the count does not
+    # depend on which rows a replica routed
+    mc, dp = dataclasses.replace(cfg.model_config, capacity_factor=None), cfg.parallel.dp
     p = initial_params(cfg)
     x, y = make_batch(cfg, 0)
     groups, n_groups = token_groups(cfg)
