@@ -2,6 +2,9 @@
 #   make lab    -- JupyterLab on http://127.0.0.1:8888 (loopback only), notebooks/ as root
 #   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
 #   make bench  -- run every benchmarks/*.py
+#   make mutants -- plant each one-line bug of tools/mutants.py, run the tests that must catch
+#                   it, print caught/total and the survivors (slow; not part of CI).
+#                   MUTANTS_ARGS="--only NAME" or "--list" narrow it
 #   make clean  -- remove build/test debris (keeps .venv);  make distclean also drops .venv
 # Everything runs from .venv, created on demand with the pinned versions in constraints.txt.
 
@@ -21,10 +24,10 @@ NBVAL    ?= --nbval-lax
 # Jupyter refuses to start as root unless told so (CI runs as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help .venv venv lab test chromium bench clean distclean
+.PHONY: help .venv venv lab test chromium bench mutants clean distclean
 
 help:
-	@echo "make lab | test | bench | clean | distclean | .venv"
+	@echo "make lab | test | bench | mutants | clean | distclean | .venv"
 
 # ---------------------------------------------------------------- virtualenv
 .venv venv: $(STAMP)
@@ -95,6 +98,11 @@ bench: $(STAMP)
 	  echo "== $$f"; $(VPY) "$$f" || { rc=$$?; echo "!! $$f failed (exit $$rc)"; }; \
 	done; \
 	exit $$rc
+
+# ---------------------------------------------------------------- mutants
+MUTANTS_ARGS ?=
+mutants: $(STAMP)
+	$(VPY) tools/mutants.py $(MUTANTS_ARGS)
 
 # ---------------------------------------------------------------- clean
 clean:

@@ -38,3 +38,21 @@ def ce_on_tp_subgroups(ctx, spec: dict) -> dict:
     loss.backward()
     return {"loss": loss.detach(), "grad": local.grad, "start": t * per, "data_rank": d,
             "tp_ranks": mg.ranks("tp")}
+
+
+def bf16_combine(ctx, spec: dict) -> dict:
+    """One MoE layer (tests/jobs_expert.py's case, top-2, 2 ranks) under bf16 autocast: this
+    rank's tokens through the single-process combine (all experts, fp32 sum) and then
+    through the expert-parallel dispatcher. Returns both outputs (fp32)."""
+    from jobs_expert import LayerCase, build_case
+
+    from labkit.parallel.expert import apply_expert_parallel
+
+    case = LayerCase(ep=ctx.world_size, top_k=2, tokens=spec.get("tokens", 64))
+    layer, x_all, _ = build_case(case)
+    x = x_all[ctx.rank]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        dense = layer(x)
+        apply_expert_parallel(layer, ctx.group)
+        ep = layer(x)
+    return {"dense": dense.float(), "ep": ep.float(), "dtype": str(ep.dtype)}

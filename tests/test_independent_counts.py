@@ -78,3 +78,22 @@ def test_vocab_parallel_cross_entropy_on_tp_subgroups(cluster4, smoothing):
     # the two data ranks really saw different logits
     assert not torch.equal(r.outputs[0]["loss"], [o for o in r.outputs
                                                   if o["data_rank"] == 1][0]["loss"])
+
+
+#: bf16 autocast: the expert rows are bf16, the combine sums them in the fp32 residual
+#: stream on both paths, so the two may differ by fp32 rounding only (seen: bit-identical);
+#: a combine accumulated in bf16 is off by 4.3e-3 of the largest output here
+BF16_COMBINE_REL = 1e-6
+
+
+@pytest.mark.distributed
+def test_bf16_expert_parallel_combine_sums_in_fp32(cluster2):
+    """Under bf16 autocast, on every rank the expert-parallel combine of a top-2 MoE layer
+    equals the single-process combine of the same tokens within fp32 rounding, and its
+    output stays in the residual stream's fp32."""
+    r = cluster2.run("jobs_counts:bf16_combine", {}, timeout_s=120)
+    for rank, o in enumerate(r.outputs):
+        assert o["dtype"] == "torch.float32", rank
+        scale = o["dense"].abs().max().item()
+        err = (o["ep"] - o["dense"]).abs().max().item() / scale
+        assert err < BF16_COMBINE_REL, (rank, err)
