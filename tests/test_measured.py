@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.config import RunConfig
+from labkit.config import ModelConfig, RunConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -14,7 +14,10 @@ EXTRA_PARAM, EXTRA_REDUCE = 1000, 3000  # fp32 elements a user job adds (tests/j
 RUN = RunConfig(steps=3, global_batch=8, count_flops=False, seed=11)
 CASES = {"dp2": dict(dp=2), "zero3": dict(dp=2, zero_stage=3),
          "zero2-bf16": dict(dp=2, zero_stage=2, precision="bf16"), "tp2": dict(tp=2),
-         "tp2-sp": dict(tp=2, sequence_parallel=True)}
+         "tp2-sp": dict(tp=2, sequence_parallel=True),
+         # 4 shards of flat units whose sizes are 2 mod 4: each unit padded by 2 elements
+         "zero3-padded": dict(dp=4, zero_stage=3, model=ModelConfig(
+             n_layers=2, d_model=18, n_heads=3, d_ff=45, vocab_size=256, seq_len=16))}
 #: ring bytes per element for a group of n (labkit.comm's table, restated)
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
           "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
@@ -37,14 +40,18 @@ def _elem(cfg, axis: str, op: str) -> int:
     return 2 if (cfg.precision == "bf16" and axis == "dp" and op != "all_reduce") else 4
 
 
+def _cluster(request, name: str):
+    return request.getfixturevalue("cluster4" if CASES[name].get("dp") == 4 else "cluster2")
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bytes_are_the_traced_collectives(cluster2, name):
+def test_bytes_are_the_traced_collectives(request, name):
     """Every rank's bytes per axis and collective are the sum over its traced events of the
     measured step, each event's bytes equal to its element count × element size × the ring
     factor of its group size (recomputed here, not by labkit.comm), and a user job's extra
     all-reduce of 3000 fp32 per step shows up exactly: measured − predicted = 2·(N−1)/N·12000
     bytes on that axis, nothing else changes."""
-    cfg, axis, r = _run(cluster2, name, reduce=EXTRA_REDUCE)
+    cfg, axis, r = _run(_cluster(request, name), name, reduce=EXTRA_REDUCE)
     for rank, o in enumerate(r.outputs):
         m = o["metrics"]
         step = 1 if len(m["step_times"]) > 1 else 0
@@ -63,19 +70,23 @@ def test_bytes_are_the_traced_collectives(cluster2, name):
         for ax, ops in pred.items():
             got = {k: v for k, v in traced[ax].items() if v}
             if ax == axis:
-                got["all_reduce"] -= 2 * (2 - 1) / 2 * 4 * EXTRA_REDUCE
+                n = cfg.parallel.dp if axis == "dp" else cfg.parallel.tp
+                got["all_reduce"] -= 2 * (n - 1) / n * 4 * EXTRA_REDUCE
                 got = {k: v for k, v in got.items() if v}
             assert got == ops, (rank, ax, got, ops)
 
 
-@pytest.mark.parametrize("name", ["dp2", "zero3", "zero2-bf16", "tp2"])
-def test_model_state_memory_is_what_the_rank_holds(cluster2, name):
+@pytest.mark.parametrize("name", ["dp2", "zero3", "zero2-bf16", "tp2", "zero3-padded"])
+def test_model_state_memory_is_what_the_rank_holds(request, name):
     """A user job puts 1000 fp32 elements more on the first stage (a parameter outside the
     optimizer, with a gradient of its size): every rank's measured parameter and gradient
-    bytes are the prediction (which counts only what the job built) plus exactly 4000."""
-    cfg, _, r = _run(cluster2, name, param=EXTRA_PARAM)
+    bytes are the prediction (which counts only what the job built) plus exactly 4000. With
+    flat units padded to a multiple of the 4 shards, the padding is held and predicted."""
+    cfg, _, r = _run(_cluster(request, name), name, param=EXTRA_PARAM)
     for rank, o in enumerate(r.outputs):
         m, extra = o["metrics"], o["extra"]
         got, pred = m["memory"]["model_state"], m["memory_predicted"]
         assert got["parameters"] - pred["parameters"] == extra["param_bytes"], (rank, got, pred)
         assert got["gradients"] - pred["gradients"] == extra["grad_bytes"], (rank, got, pred)
+        if name == "zero3-padded":  # the case really pads: Σ padded > the real parameters
+            assert pred["parameters"] // 4 * cfg.parallel.dp > m["rank_params"], (rank, pred)

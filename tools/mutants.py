@@ -232,7 +232,7 @@ MUTANTS = [
            "        padded = sum(u.padded for w in setup.sharded for u in w.units)",
            "        padded = sum(u.numel for w in setup.sharded for u in w.units)",
            "the ZeRO memory prediction forgets the flat units' padding to K elements",
-           ("tests/test_zero.py -k memory_exactly",)),
+           ("tests/test_measured.py -k memory and padded",)),
     Mutant("plan_zero2_grads_whole", "labkit/plan/memory.py",
            "    sharded = {0: (), 1: (\"optimizer\",), 2: (\"optimizer\", \"gradients\"),",
            "    sharded = {0: (), 1: (\"optimizer\",), 2: (\"optimizer\",),",
