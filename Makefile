@@ -3,6 +3,9 @@
 #   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
 #   make bench  -- run every benchmarks/*.py
 #   make sweep  -- random compositions against the independent oracle (N=40, SEED=0)
+#   make mutants -- plant each one-line bug of tools/mutants.py, run the tests that must catch
+#                   it, print caught/total and the survivors (slow; not part of CI).
+#                   MUTANTS_ARGS="--only NAME" or "--list" narrow it
 #   make clean  -- remove build/test debris (keeps .venv);  make distclean also drops .venv
 # Everything runs from .venv, created on demand with the pinned versions in constraints.txt.
 
@@ -22,10 +25,10 @@ NBVAL    ?= --nbval-lax
 # Jupyter refuses to start as root unless told so (CI runs as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help .venv venv lab test chromium bench sweep clean distclean
+.PHONY: help .venv venv lab test chromium bench sweep mutants clean distclean
 
 help:
-	@echo "make lab | test | bench | sweep | clean | distclean | .venv"
+	@echo "make lab | test | bench | sweep | mutants | clean | distclean | .venv"
 
 # ---------------------------------------------------------------- virtualenv
 .venv venv: $(STAMP)
@@ -104,6 +107,11 @@ N    ?= 40
 SEED ?= 0
 sweep: $(STAMP)
 	$(VPY) benchmarks/matrix_sweep.py --n $(N) --seed $(SEED)
+
+# ---------------------------------------------------------------- mutants
+MUTANTS_ARGS ?=
+mutants: $(STAMP)
+	$(VPY) tools/mutants.py $(MUTANTS_ARGS)
 
 # ---------------------------------------------------------------- clean
 clean:

@@ -231,8 +231,10 @@ def test_bf16_moves_rows_at_half_width_and_stays_near_fp32(cluster4):
     dense = cluster4.run(jobs.train, cfg.replace(ep=1))
     fp32 = cluster4.run(jobs.train, cfg.replace(precision="fp32"))
     assert r.losses != fp32.losses  # it really ran in bf16
-    for other in (dense, fp32):
-        assert max(abs(a - b) for a, b in zip(r.losses, other.losses)) < 1e-2
+    # seen 4.2e-5 from the dense bf16 run, 1.1e-4 from fp32 (tiny-moe, 2 steps); the
+    # combine's own precision is checked layer by layer (tests/test_independent_counts.py)
+    for other, tol in ((dense, 2e-4), (fp32, 5e-4)):
+        assert max(abs(a - b) for a, b in zip(r.losses, other.losses)) < tol
     h = cfg.model_config.d_model
     for rank in range(2):
         for s in range(cfg.steps):

@@ -179,7 +179,8 @@ def test_cross_entropy_mutants(cluster2, mutant):
     case = CECase(mutant=mutant, garbage=0.0, scale=3.0)
     r = cluster2.run(ce_check, case, nranks=2)
     logits, targets, _ = ce_inputs(case)
-    assert abs(r.outputs[0]["loss"].item() - F.cross_entropy(logits, targets).item()) > 1e-3
+    for out in r.outputs:
+        assert abs(out["loss"].item() - F.cross_entropy(logits, targets).item()) > 1e-3
 
 
 # ------------------------------------------------------------------ measured vs formula
@@ -224,30 +225,40 @@ def test_bytes_per_block_equal_formula(request, tp, sp, regather):
 
 
 def test_bytes_with_replicated_kv(request):
-    """kv < tp: the two K/V weight-gradient all-reduces per block are the only extra bytes."""
+    """kv < tp: the two K/V weight-gradient all-reduces per block are the only extra bytes,
+    on every rank and in every block."""
     run, r = _measure(request, 4, False, False, kv=2)
     m = run.model
-    got = tp_bytes_by_layer(r.trace.events, 0, step=0)[0]
-    assert got["weight_grads"] == block_weight_grad_bytes(m.d_model, 2 * m.head_dim, 4, 2)
-    assert got["forward"] == block_bytes_formula(run.batch, m.seq_len, m.d_model, 4)["forward"]
+    for rank in range(4):
+        by_layer = tp_bytes_by_layer(r.trace.events, rank, step=0)
+        for layer in range(m.n_layers):
+            got = by_layer[layer]
+            assert got["weight_grads"] == block_weight_grad_bytes(m.d_model, 2 * m.head_dim,
+                                                                  4, 2), (rank, layer)
+            assert got["forward"] == block_bytes_formula(run.batch, m.seq_len, m.d_model,
+                                                         4)["forward"], (rank, layer)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_model_state_bytes_divided_by_tp(request, tp):
-    """Parameters, gradients and AdamW moments per rank equal the formula exactly: the split
-    weights divided by tp, norms whole, the vocabulary padded (padding bytes as reported)."""
-    run, r = _measure(request, tp, False, False)
+@pytest.mark.parametrize("tp,kv", [(1, 4), (2, 4), (4, 4), (4, 2)])
+def test_model_state_bytes_divided_by_tp(request, tp, kv):
+    """Parameters, gradients and AdamW moments per rank (counted from the tensors each rank
+    holds) equal the formula exactly: the split weights divided by tp, K/V whole when
+    kv_heads < tp, norms whole, the vocabulary padded (padding bytes as reported)."""
+    run, r = _measure(request, tp, False, False, kv=kv)
     want = tp_state_bytes_formula(run.model, tp)
     for out in r.outputs:
         got = out["state"]
         assert (got["params"], got["grads"], got["optimizer"]) == \
             (want["params"], want["grads"], want["optimizer"])
+        assert out["padding_bytes_total"] == (-(-V // tp) * tp - V) * run.model.d_model * 4
     h, pad = run.model.d_model, -(-V // tp) * tp - V
     assert r.outputs[-1]["padding_bytes"] == (pad * h * 4 if tp > 1 else 0)
-    assert r.outputs[0]["padding_bytes_total"] == pad * h * 4
-    norms = (2 * run.model.n_layers + 1) * h * 4
-    split = want["full_params"] - norms
-    assert want["params"] == norms + (split + pad * h * 4) // tp
+    m = run.model
+    norms = (2 * m.n_layers + 1) * h * 4
+    kv_bytes = m.n_layers * 2 * m.kv_heads * m.head_dim * h * 4  # wk, wv of every block
+    split = want["full_params"] - norms - kv_bytes
+    kv_rank = kv_bytes // tp if m.kv_heads >= tp else kv_bytes  # replicated when K < T
+    assert want["params"] == norms + kv_rank + (split + pad * h * 4) // tp
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
@@ -271,7 +282,8 @@ def test_activation_memory_equals_adjusted_c18(request, tp, sp, regather, attent
                                                               attention=attention)
     if sp and regather:
         _, single = _measure(request, 1, False, False, attention)
-        assert r.outputs[0]["act_recompute"][0] * tp == single.outputs[0]["act_recompute"][0]
+        for out in r.outputs:
+            assert out["act_recompute"][0] * tp == single.outputs[0]["act_recompute"][0]
     lecture = lecture_activation_bytes(16, 2, 32, 4, tp, sequence_parallel=sp, recompute=True)
     assert lecture == pytest.approx(34 * 16 * 2 * 32 / tp if sp else
                                     (10 + 24 / tp) * 16 * 2 * 32)
@@ -295,10 +307,11 @@ def test_tp_vs_pp_bytes(request, cluster4):
     assert sends == [want["pp_edge"], want["pp_inner"], want["pp_inner"], want["pp_edge"]]
     run = TPRun(model=m, tp=4, batch=b)
     tp = cluster4.run(tp_measure, run, nranks=4)
-    blocks = tp_bytes_by_layer(tp.trace.events, 0, step=0)
-    measured = sum(blocks[i]["forward"] + blocks[i]["backward"] for i in range(m.n_layers))
-    assert measured == want["tp"]
-    assert measured / sends[1] == want["ratio"] == 4 * m.n_layers * 3 / 4
+    for rank in range(4):
+        blocks = tp_bytes_by_layer(tp.trace.events, rank, step=0)
+        measured = sum(blocks[i]["forward"] + blocks[i]["backward"] for i in range(m.n_layers))
+        assert measured == want["tp"], rank
+        assert measured / sends[1] == want["ratio"] == 4 * m.n_layers * 3 / 4
 
 
 # ------------------------------------------------------------------ bad input, planner

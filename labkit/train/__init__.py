@@ -68,7 +68,7 @@ def run(ctx, cfg: RunConfig) -> dict:
 
         executor, meter = make_executor(setup)
     out: dict = {}
-    step = make_step(setup, executor, on_synced=_grab_grads(setup, out) if cfg.return_grads
+    step = make_step(setup, executor, on_synced=_grab_grads(setup, out, ctx.tracer) if cfg.return_grads
                      else None)
     if meter is not None:
         from .pipeline import meter_untracked_steps
@@ -231,11 +231,17 @@ def _rank_state(setup: RankSetup) -> dict:
     return _named(setup, _full, lambda w: w.full_state_dict())
 
 
-def _grab_grads(setup: RankSetup, out: dict):
+def _grab_grads(setup: RankSetup, out: dict, tracer):
     def grab(step: int) -> None:
-        if step == 0:
+        if step != 0:
+            return
+        # reading the gradients for the caller gathers shards: not the step's traffic
+        enabled, tracer.enabled = tracer.enabled, False
+        try:
             out["grads"] = _named(setup, lambda p: None if p.grad is None else _full(p.grad),
                                   lambda w: w.full_grads())
+        finally:
+            tracer.enabled = enabled
     return grab
 
 

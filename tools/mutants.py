@@ -1,0 +1,384 @@
+"""One-line silent bugs the test suite must catch (`make mutants`; not part of CI).
+
+Each mutant names a file, the exact original text (found exactly once), its replacement, what
+bug it plants, and the tests that should catch it. The runner copies the working tree (the
+uncommitted changes included) into a temporary directory once, and for every mutant plants
+the change in that copy, runs the mutant's tests there (``PYTHONPATH`` at the copy's own
+``_pp/``, so the ranks run the mutated code too) with a timeout, and puts the file back.
+A mutant is *caught* when its tests fail (or time out), *survived* when they pass, *stale*
+when its original text is no longer in the file (reported, never skipped silently).
+
+    python tools/mutants.py                 # all mutants; prints caught/total and survivors
+    python tools/mutants.py --list          # names, files and descriptions
+    python tools/mutants.py --only NAME ... # just these (repeatable / several names)
+    python tools/mutants.py --baseline      # first check the mapped tests pass unmutated
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    desc: str
+    tests: tuple  # pytest arguments, e.g. "tests/test_x.py::test_y" or "tests/test_x.py -k y"
+
+
+TP = "tests/test_tensor_parallel.py"
+TRAIN = "tests/test_train.py"
+CTX = "tests/test_context.py"
+EXP = "tests/test_expert.py"
+
+MUTANTS = [
+    # ------------------------------------------------------------------ TP / SP
+    Mutant("tp_f_backward_no_allreduce", "labkit/parallel/tensor/functions.py",
+           "        return _all_reduce(grad, ctx.group, _bwd(ctx.tags)), None, None",
+           "        return grad, None, None",
+           "Megatron's f passes the input gradient through instead of summing it over tp",
+           (f"{TP}::test_parity_with_single_process_and_torch[2-tp-kv>=tp-tied]",)),
+    Mutant("tp_g_forward_identity", "labkit/parallel/tensor/functions.py",
+           "        return _all_reduce(x, group, _fwd(tags))",
+           "        return x.clone()",
+           "Megatron's g leaves the row-parallel partial sums unreduced",
+           (f"{TP}::test_parity_with_single_process_and_torch[2-tp-kv>=tp-tied]",)),
+    Mutant("sp_reduce_scatter_avg", "labkit/parallel/tensor/functions.py",
+           "    comm.reduce_scatter(out, pieces, group=group, axis=AXIS, **(tags or {}))",
+           "    comm.reduce_scatter(out, pieces, op=\"avg\", group=group, axis=AXIS, **(tags or {}))",
+           "sequence parallelism's reduce-scatter averages the partial sums instead of summing",
+           (f"{TP}::test_parity_with_single_process_and_torch[2-tp+sp-kv>=tp-tied]",)),
+    Mutant("sp_gather_interleaved", "labkit/parallel/tensor/functions.py",
+           "    return buf.view(n, b, s, *rest).transpose(0, 1).reshape(b, n * s, *rest)",
+           "    return buf.view(b, n, s, *rest).reshape(b, n * s, *rest)",
+           "the sequence all-gather lays the ranks' pieces out batch-major (wrong rows for B>1)",
+           (f"{TP}::test_parity_with_single_process_and_torch[2-tp+sp-kv>=tp-tied]",)),
+    Mutant("sp_norm_weight_not_summed", "labkit/parallel/tensor/layers.py",
+           "        w = copy_to_tp(self.weight, self.group, **self.tags) if self.sequence_parallel \\",
+           "        w = self.weight if self.sequence_parallel \\",
+           "SP norm weights (each rank sees S/T tokens) keep a partial gradient, not summed over tp",
+           (f"{TP}::test_parity_with_single_process_and_torch[2-tp+sp-kv>=tp-tied]",)),
+    Mutant("tp_replicated_kv_grad_not_summed", "labkit/parallel/tensor/attention.py",
+           "        w = copy_to_tp(self.weight, self.group, **self.tags)",
+           "        w = self.weight",
+           "K/V weights replicated when kv_heads < tp keep a partial gradient",
+           (f"{TP}::test_parity_with_single_process_and_torch[4-tp-kv<tp-tied]",)),
+    # ------------------------------------------------------------------ vocab-parallel CE
+    Mutant("ce_no_global_max", "labkit/parallel/tensor/cross_entropy.py",
+           "            comm.all_reduce(zmax, op=\"max\", group=group, axis=AXIS, site=\"loss\", "
+           "phase=\"forward\")",
+           "            pass",
+           "each rank shifts its logits by its own max before the exp-sums are added",
+           (f"{TP} -k test_vocab_parallel_cross_entropy and plain",)),
+    Mutant("ce_target_grad_on_every_rank", "labkit/parallel/tensor/cross_entropy.py",
+           "        grad[rows, idx] -= (1 - eps) * mine.to(grad.dtype)",
+           "        grad[rows, idx] -= (1 - eps)",
+           "the one-hot is subtracted on ranks that do not hold the target column too",
+           (f"{TP} -k test_vocab_parallel_cross_entropy and plain",)),
+    Mutant("ce_smoothing_local_vocab", "labkit/parallel/tensor/cross_entropy.py",
+           "            loss = (1 - smoothing) * loss + smoothing * (log_z - sums[2] / vocab_size)",
+           "            loss = (1 - smoothing) * loss + smoothing * (log_z - sums[2] / n_real)",
+           "label smoothing divides the summed logits by this rank's vocabulary, not V",
+           (f"{TP} -k test_vocab_parallel_cross_entropy and smoothing",)),
+    Mutant("ce_mean_counts_ignored", "labkit/parallel/tensor/cross_entropy.py",
+           "    return loss.sum() / (t != ignore_index).sum()",
+           "    return loss.sum() / t.numel()",
+           "the mean loss divides by every token, ignored ones included",
+           (f"{TP} -k test_vocab_parallel_cross_entropy and ignore_index",)),
+    Mutant("ce_sums_over_world", "labkit/parallel/tensor/cross_entropy.py",
+           "            comm.all_reduce(sums, group=group, axis=AXIS, site=\"loss\", "
+           "phase=\"forward\")",
+           "            comm.all_reduce(sums, group=None, axis=AXIS, site=\"loss\", "
+           "phase=\"forward\")",
+           "the cross-entropy's exp-sums are all-reduced over the world, not the tp group",
+           ("tests/test_independent_counts.py -k tp_subgroups",)),
+    # ------------------------------------------------------------------ CP
+    Mutant("cp_merge_max_not_logaddexp", "labkit/parallel/context/blocks.py",
+           "    new = torch.logaddexp(lse, lse_b)",
+           "    new = torch.maximum(lse, lse_b)",
+           "the ring's online-softmax merge keeps the larger log-sum-exp instead of adding",
+           (f"{CTX} -k test_attention_parity and ring-2-causal",)),
+    Mutant("cp_zigzag_not_mirrored", "labkit/parallel/context/layout.py",
+           "    return (rank, 2 * cp - 1 - rank) if zigzag else (rank,)",
+           "    return (rank, cp + rank) if zigzag else (rank,)",
+           "zigzag pairs chunk r with chunk cp+r (not 2cp-1-r): still a partition, unbalanced",
+           (f"{CTX} -k zigzag_holds or closed_form_work",)),
+    Mutant("cp_rope_positions_rank0", "labkit/train/build.py",
+           "    pos = positions(mg.index(\"cp\"), cfg.parallel.cp, mc.seq_len, cfg.cp_zigzag,",
+           "    pos = positions(0, cfg.parallel.cp, mc.seq_len, cfg.cp_zigzag,",
+           "every context rank applies rotary embeddings at rank 0's positions",
+           (f"{TRAIN}::test_context_parallel_composes_four_ranks[cp2xdp2]",)),
+    Mutant("cp_ring_dkv_not_home", "labkit/parallel/context/ring.py",
+           "        acc = acc_in\n",
+           "        acc = acc\n",
+           "the ring's last hop keeps the neighbour's dK/dV accumulator instead of its own",
+           (f"{CTX} -k test_attention_parity and ring-2-causal",)),
+    Mutant("cp_ulysses_seq_interleaved", "labkit/parallel/context/ulysses.py",
+           "    return out.movedim(0, n + 1).reshape(*lead, h // cp, cp * s, d)",
+           "    return out.movedim(0, n + 2).reshape(*lead, h // cp, cp * s, d)",
+           "Ulysses' all-to-all interleaves the ranks' sequence blocks token by token",
+           (f"{CTX} -k test_attention_parity and ulysses-2-causal",)),
+    Mutant("cp_work_diagonal_half", "labkit/parallel/context/layout.py",
+           "        total += (qc * c * c + c * (c + 1) // 2) if causal else seq_len * c",
+           "        total += (qc * c * c + c * c // 2) if causal else seq_len * c",
+           "the closed-form causal work counts a diagonal block as c²/2 pairs, not c(c+1)/2",
+           ("tests/test_independent_counts.py -k cp_work",)),
+    # ------------------------------------------------------------------ EP
+    Mutant("ep_combine_unweighted", "labkit/parallel/expert/dispatch.py",
+           "        weight = routing.weights.reshape(-1)[choice].to(x.dtype)",
+           "        weight = torch.ones_like(routing.weights.reshape(-1)[choice]).to(x.dtype)",
+           "the expert-parallel combine sums expert outputs without the router weights",
+           (f"{EXP} -k test_layer_parity_without_dropping and 2-2-natural",)),
+    Mutant("ep_combine_order", "labkit/parallel/expert/dispatch.py",
+           "        outs = outs[torch.argsort(by_expert)]",
+           "        outs = outs",
+           "expert outputs go back in expert order, not in the order their rows arrived",
+           (f"{EXP} -k test_layer_parity_without_dropping and 2-1-natural",)),
+    Mutant("ep_counts_not_exchanged", "labkit/parallel/expert/dispatch.py",
+           "        recv = recv.view(p, n_local)",
+           "        recv = counts.view(p, n_local)",
+           "each rank assumes it receives what it sends (its own counts, not the exchanged)",
+           (f"{EXP} -k test_layer_parity_without_dropping and 2-1-skewed",)),
+    Mutant("ep_expert_grads_averaged", "labkit/train/build.py",
+           "        setup.wrappers.append(DataParallel(holder, mg.group(\"edp\"), \"naive\", "
+           "reduce_op=\"sum\",",
+           "        setup.wrappers.append(DataParallel(holder, mg.group(\"edp\"), \"naive\", "
+           "reduce_op=\"avg\",",
+           "expert gradients averaged over their expert-data group (halved at edp=2)",
+           (f"{TRAIN}::test_expert_parallel_composes_four_ranks[ep2xdp4]",)),
+    Mutant("ep_aux_scale_not_over_cp", "labkit/train/build.py",
+           "        set_aux_loss_scale(m, cfg.micro / (cfg.global_batch * p.cp))",
+           "        set_aux_loss_scale(m, cfg.micro / cfg.global_batch)",
+           "the load-balancing loss of a context rank's forward is not divided by cp",
+           (f"{TRAIN}::test_expert_parallel_parity_two_ranks[ep2xcp]",)),
+    Mutant("moe_bf16_combine_in_bf16", "labkit/parallel/expert/dispatch.py",
+           "        return torch.zeros_like(x).index_add(0, token, back.to(x.dtype) * weight[:, None])",
+           "        return torch.zeros_like(x, dtype=back.dtype).index_add(0, token, back * weight["
+           ":, None].to(back.dtype)).to(x.dtype)",
+           "under bf16 the expert-parallel combine accumulates in bf16, not the fp32 stream",
+           ("tests/test_independent_counts.py -k bf16_expert_parallel_combine",)),
+    # ------------------------------------------------------------------ N-D reductions
+    Mutant("loss_scale_local_batch", "labkit/train/step.py",
+           "    return n / (cfg.global_batch * tokens_per_sample(cfg))",
+           "    return n / (cfg.local_batch * tokens_per_sample(cfg))",
+           "the loss is divided by the local batch's tokens: every gradient ×dp (AdamW hides it)",
+           ("tests/test_grad_scale.py -k training and fp32-0",)),
+    Mutant("torch_ddp_average_not_undone", "labkit/train/step.py",
+           "    n = setup.mg.size(\"dp_cp\") if cfg.impl == \"torch\" else 1",
+           "    n = 1",
+           "PyTorch DDP's averaging is not undone: every gradient ÷dp (AdamW hides it)",
+           (f"{TRAIN} -k test_parity_two_ranks and torch-ddp",)),
+    Mutant("ddp_job_averages", "labkit/train/build.py",
+           "                                 reduce_op=\"sum\",",
+           "                                 reduce_op=\"avg\",",
+           "the job's DDP averages where the loss rule needs a sum (every gradient ÷dp)",
+           ("tests/test_grad_scale.py -k training and fp32-0",)),
+    Mutant("zero_bf16_job_averages", "labkit/train/build.py",
+           "        kw = dict(mixed_precision=mixed, reduce_op=\"sum\")",
+           "        kw = dict(mixed_precision=mixed, reduce_op=\"avg\" if mixed else \"sum\")",
+           "bf16 ZeRO in the job averages where it sums (every gradient halved at dp=2)",
+           ("tests/test_grad_scale.py -k training and bf16",)),
+    Mutant("tp_loss_counted_per_rank", "labkit/train/__init__.py",
+           "    first_of_tp = setup.mg.index(\"tp\") == 0  # every tp rank holds the same loss",
+           "    first_of_tp = True",
+           "the global loss adds every tp rank's (identical) share: reported loss ×tp",
+           (f"{TRAIN}::test_tensor_parallel_parity_two_ranks[tp2]",)),
+    Mutant("tied_pp_grads_averaged", "labkit/parallel/pipeline/stage.py",
+           "        g.add_(other)  # a + b == b + a exactly: both copies stay bit-identical",
+           "        g.add_(other).mul_(0.5)",
+           "the tied embedding's two pipeline copies average their gradients instead of summing",
+           (f"{TRAIN}::test_parity_two_ranks[pp2-1f1b]",)),
+    Mutant("hsdp_replicas_summed", "labkit/parallel/zero/sharded.py",
+           "            hs = [comm.all_reduce(g, op=self.reduce_op, group=self.replicate_group,",
+           "            hs = [comm.all_reduce(g, op=\"sum\", group=self.replicate_group,",
+           "HSDP sums over the replicas even when the wrapper averages",
+           ("tests/test_dp_wrappers.py -k every_accumulation and hsdp2-last",)),
+    Mutant("comm_avg_is_sum", "labkit/comm.py",
+           "    finish = (lambda: tensor.div_(n)) if op == \"avg\" else None",
+           "    finish = None",
+           "all-reduce op='avg' returns the sum (the wrappers' default reduction doubles)",
+           ("tests/test_grad_scale.py -k wrapper and naive",)),
+    # ------------------------------------------------------------------ accounting
+    Mutant("bytes_measured_is_predicted", "labkit/train/metrics.py",
+           "    return {\"comm_bytes_by_axis\": measured, \"comm_predicted_by_axis\": predicted,",
+           "    return {\"comm_bytes_by_axis\": predicted, \"comm_predicted_by_axis\": predicted,",
+           "the job reports its predicted bytes per axis as measured",
+           ("tests/test_measured.py -k bytes and dp2",)),
+    Mutant("memory_measured_is_predicted", "labkit/train/metrics.py",
+           "           \"model_state\": {c: max(s.get(c, 0) for s in marks)",
+           "           \"model_state\": {c: predicted_memory(setup)[c]",
+           "the job reports its predicted parameter/gradient/optimizer bytes as measured",
+           ("tests/test_measured.py -k memory and dp2",)),
+    Mutant("comm_all_reduce_bytes_half", "labkit/comm.py",
+           "group=group, axis=axis, sent=2 * (n - 1) * s / n, recv=2 * (n - 1) * s / n,",
+           "group=group, axis=axis, sent=(n - 1) * s / n, recv=2 * (n - 1) * s / n,",
+           "an all-reduce is counted as sending (N-1)/N·S, not 2(N-1)/N·S",
+           ("tests/test_measured.py -k bytes and dp2",)),
+    Mutant("tp_state_kv_split", "labkit/parallel/tensor/measure.py",
+           "    kv = 2 * k * d * h // (tp if k >= tp else 1)",
+           "    kv = 2 * k * d * h // tp",
+           "the TP memory prediction splits K/V over tp even when kv_heads < tp (replicated)",
+           (f"{TP} -k test_model_state_bytes",)),
+    Mutant("zero_predicted_state_unpadded", "labkit/train/metrics.py",
+           "        padded = sum(u.padded for w in setup.sharded for u in w.units)",
+           "        padded = sum(u.numel for w in setup.sharded for u in w.units)",
+           "the ZeRO memory prediction forgets the flat units' padding to K elements",
+           ("tests/test_measured.py -k memory and padded",)),
+    Mutant("plan_zero2_grads_whole", "labkit/plan/memory.py",
+           "    sharded = {0: (), 1: (\"optimizer\",), 2: (\"optimizer\", \"gradients\"),",
+           "    sharded = {0: (), 1: (\"optimizer\",), 2: (\"optimizer\",),",
+           "the planner's ZeRO-2 keeps whole gradients on every rank",
+           ("tests/test_zero.py -k memory_exactly", "tests/test_plan.py")),
+    Mutant("plan_all_gather_factor", "labkit/plan/comm.py",
+           "        return 2.0 * (n - 1) / n",
+           "        return 2.0 * n / (n + 1)",
+           "the planner's all-reduce factor 2n/(n+1) instead of 2(n-1)/n",
+           ("tests/test_dp.py -k allreduce_bytes_equal_formula", "tests/test_plan.py")),
+    Mutant("flops_cp_not_divided", "labkit/train/flops.py",
+           "    return ctx.cache[key] // cfg.parallel.cp",
+           "    return ctx.cache[key]",
+           "the per-rank FLOP count is not divided by cp",
+           ("tests/test_measure.py -k flops", "tests/test_dp.py -k flops",
+            f"{TRAIN} -k context_parallel")),
+    Mutant("cp_work_ulysses_own_share", "labkit/parallel/context/measure.py",
+           "        every = sum(causal_pairs_closed_form(r, cp, seq_len, zigzag, causal) for r in "
+           "range(cp))",
+           "        every = cp * causal_pairs_closed_form(rank, cp, seq_len, zigzag, causal)",
+           "Ulysses' work taken as cp × this rank's ring share (right only for zigzag)",
+           ("tests/test_independent_counts.py -k cp_work",)),
+    Mutant("cp_work_ignores_causal", "labkit/parallel/context/measure.py",
+           "    return batch * heads * causal_pairs_closed_form(rank, cp, seq_len, zigzag, causal)",
+           "    return batch * heads * causal_pairs_closed_form(rank, cp, seq_len, zigzag, True)",
+           "the closed-form work ignores causal=False (non-causal attention counted as causal)",
+           (f"{CTX} -k measured_work", "tests/test_independent_counts.py -k cp_work")),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    """The working tree as it is (uncommitted changes included), without caches and build
+    debris; a fresh ``_pp`` of links to the copy's packages."""
+    skip = shutil.ignore_patterns("__pycache__", ".venv", "artifacts", ".pytest_cache", ".git",
+                                  "_pp", "node_modules", ".ipynb_checkpoints", "*.egg-info")
+    for name in ("labkit", "widgets", "tests", "tools", "pyproject.toml", "notebooks",
+                 "benchmarks", "docs"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=skip, symlinks=True)
+        elif src.exists():
+            shutil.copy2(src, dst / name)
+    (dst / "_pp").mkdir()
+    (dst / "_pp" / "labkit").symlink_to("../labkit")
+    (dst / "_pp" / "labkit_widgets").symlink_to("../widgets")
+
+
+def _pytest(tree: Path, tests: tuple, timeout: float) -> tuple:
+    """``(rc, seconds, tail)`` of the mutant's tests in ``tree``; rc ``None`` on a timeout."""
+    args = []
+    for t in tests:  # "FILE[::NODE] [-k EXPRESSION]": the expression is one argument
+        head, _, expr = t.partition(" -k ")
+        args.append(shlex.split(head) + (["-k", expr] if expr else []))
+    env = dict(os.environ, PYTHONPATH=str(tree / "_pp"), PYTHONDONTWRITEBYTECODE="1")
+    t0, tail, rc = time.time(), "", 0
+    for sel in args:  # each selection separately, stopping at the first that fails
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *sel]
+        try:
+            p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                               timeout=max(1.0, timeout - (time.time() - t0)),
+                               start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return None, time.time() - t0, out[-800:]
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-800:]
+        if rc != 0:
+            break
+    return rc, time.time() - t0, tail
+
+
+def run(mutants, timeout: float, baseline: bool) -> int:
+    with tempfile.TemporaryDirectory(prefix="labkit-mutants-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        if baseline:
+            for m in mutants:
+                rc, secs, tail = _pytest(tree, m.tests, timeout)
+                print(f"baseline {m.name}: rc={rc} ({secs:.0f} s)", flush=True)
+                if rc != 0:
+                    print(tail, flush=True)
+        caught, survived, stale, errors = [], [], [], []
+        for m in mutants:
+            path = tree / m.file
+            text = path.read_text() if path.exists() else ""
+            if text.count(m.old) != 1:
+                stale.append(m)
+                print(f"STALE    {m.name}: original text found {text.count(m.old)}× in "
+                      f"{m.file}", flush=True)
+                continue
+            path.write_text(text.replace(m.old, m.new))
+            try:
+                rc, secs, tail = _pytest(tree, m.tests, timeout)
+            finally:
+                path.write_text(text)
+            if rc == 0:
+                survived.append(m)
+                print(f"SURVIVED {m.name} ({secs:.0f} s): {m.desc}", flush=True)
+            elif rc in (None, 1):  # tests failed, or hung (a mutant that deadlocks ranks)
+                caught.append(m)
+                how = "timeout" if rc is None else "tests failed"
+                print(f"caught   {m.name} ({how}, {secs:.0f} s)", flush=True)
+            else:  # pytest itself failed (no tests collected, usage error): not a catch
+                errors.append(m)
+                print(f"ERROR    {m.name} (pytest rc={rc}, {secs:.0f} s)\n   "
+                      + tail.strip().replace("\n", "\n   ")[-400:], flush=True)
+    total = len(mutants)
+    print(f"\nmutants caught: {len(caught)}/{total}"
+          + (f"; stale: {len(stale)}" if stale else "")
+          + (f"; test errors: {len(errors)}" if errors else ""))
+    for m in survived:
+        print(f"  survivor {m.name} ({m.file}): {m.desc}; tests {', '.join(m.tests)}")
+    for m in stale:
+        print(f"  stale    {m.name} ({m.file}): update its original text")
+    for m in errors:
+        print(f"  error    {m.name}: its tests did not run ({', '.join(m.tests)})")
+    return 0 if not (survived or stale or errors) else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--only", nargs="+", action="extend", metavar="NAME",
+                    help="run only these mutants")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per mutant")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run every selected mutant's tests on the unmutated copy")
+    a = ap.parse_args(argv)
+    chosen = MUTANTS
+    if a.only:
+        names = {m.name for m in MUTANTS}
+        unknown = sorted(set(a.only) - names)
+        if unknown:
+            ap.error(f"unknown mutant(s) {unknown}; see --list")
+        chosen = [m for m in MUTANTS if m.name in set(a.only)]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:34s} {m.file}\n    {m.desc}\n    tests: {'; '.join(m.tests)}")
+        print(f"{len(chosen)} mutants")
+        return 0
+    return run(chosen, a.timeout, a.baseline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
