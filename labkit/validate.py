@@ -139,6 +139,10 @@ def _model(cfg, mc) -> None:
     if (cfg.dataset == "digits") != (mc.kind == "vit"):
         raise ValueError(f"dataset={cfg.dataset!r} does not fit model kind {mc.kind!r} "
                          "(text goes with gpt, digits with vit)")
+    if cfg.dataset == "text" and mc.vocab_size < 256:
+        raise ValueError(f"dataset='text' is byte-level (token ids 0-255) but vocab_size="
+                         f"{mc.vocab_size}: the embedding would be indexed past its end; use "
+                         "vocab_size >= 256")
     if mc.kind == "vit" and (p.pp, p.tp, p.cp, p.ep) != (1, 1, 1, 1):
         raise ValueError(f"the ViT trains with data parallelism only; got pp={p.pp}, "
                          f"tp={p.tp}, cp={p.cp}, ep={p.ep}")

@@ -38,6 +38,9 @@ ONCE_CRASHED_NOW_REFUSED = [
     (dict(dp=2, zero_stage=3, checkpoint="every", checkpoint_every=2),
      "checkpoint_every=2"),
     (dict(dp=2, zero_stage=3, hsdp_replicas=2, impl="torch"), "hsdp_replicas=2"),
+    # byte-level text indexed a 37-row embedding past its end on every rank
+    (dict(model=ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=37)),
+     "vocab_size=37"),
 ]
 
 
