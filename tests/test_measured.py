@@ -13,6 +13,8 @@ pytestmark = pytest.mark.distributed
 EXTRA_PARAM, EXTRA_REDUCE = 1000, 3000  # fp32 elements a user job adds (tests/jobs_measured.py)
 RUN = RunConfig(steps=3, global_batch=8, count_flops=False, seed=11)
 CASES = {"dp2": dict(dp=2), "zero3": dict(dp=2, zero_stage=3),
+         # the used-map all-reduce (one fp32 per parameter) is traffic the prediction must hold
+         "dp2-find-unused": dict(dp=2, find_unused=True),
          "zero2-bf16": dict(dp=2, zero_stage=2, precision="bf16"), "tp2": dict(tp=2),
          "tp2-sp": dict(tp=2, sequence_parallel=True),
          # 4 shards of flat units whose sizes are 2 mod 4: each unit padded by 2 elements

@@ -185,11 +185,16 @@ def _dp_predicted(setup, elem: int) -> dict:
     """Bytes per collective the data-parallel wrappers should send per step: the ZeRO
     paper's 2Ψ / 2Ψ / 3Ψ × (K−1)/K, with the flat units' padding, per microbatch where the
     stage reduce-scatters (2–3) or gathers (3) every microbatch, minus the root unit's
-    backward all-gather that ``keep_last`` saves, plus HSDP's all-reduce across replicas."""
+    backward all-gather that ``keep_last`` saves, plus HSDP's all-reduce across replicas;
+    ZeRO 0 with ``find_unused`` adds each wrapper's used-map all-reduce."""
     cfg, mg = setup.cfg, setup.mg
     if not setup.sharded:  # the experts are reduced over their own (edp) group
         dense = setup.rank_params - sum(p.numel() for p in setup.expert_params)
-        return {"all_reduce": comm_bytes("all_reduce", dense * elem, mg.size("dp_cp"))}
+        # find_unused: each wrapper also all-reduces its used-map, one fp32 per parameter
+        flags = sum(len(w.params) for w in setup.wrappers
+                    if getattr(w, "find_unused", False) and getattr(w, "axis", None) == "dp")
+        return {"all_reduce": comm_bytes("all_reduce", (dense + flags) * elem,
+                                         mg.size("dp_cp"))}
     k, m = mg.size("fsdp"), mg.size("dp_replicate")
     micro = cfg.accum_steps if cfg.zero_stage >= 2 else 1
     out = {"reduce_scatter": 0.0, "all_gather": 0.0}
