@@ -153,11 +153,13 @@ def test_one_command_takes_every_degree_and_knob():
     cfg = _parse("--dp", "4", "--zero", "3", "--hsdp-replicas", "2", "--no-prefetch",
                  "--no-keep-last", "--pp", "2", "--schedule", "interleaved", "--microbatches",
                  "4", "--virtual-stages", "2", "--n-layers", "8", "--checkpoint", "every",
-                 "--checkpoint-every", "2", "--global-batch", "16")
+                 "--checkpoint-every", "1", "--global-batch", "16")
     assert (cfg.parallel.dp, cfg.parallel.pp, cfg.zero_stage, cfg.hsdp_replicas) == (4, 2, 3, 2)
     assert (cfg.prefetch, cfg.keep_last, cfg.schedule, cfg.microbatches) == \
         (False, False, "interleaved", 4)
-    assert (cfg.virtual_stages, cfg.checkpoint, cfg.checkpoint_every) == (2, "every", 2)
+    assert (cfg.virtual_stages, cfg.checkpoint, cfg.checkpoint_every) == (2, "every", 1)
+    # segments of 2 blocks under ZeRO-3 over 4 data ranks are refused (validate's rank limits)
+    assert _parse("--checkpoint", "every", "--checkpoint-every", "2").checkpoint_every == 2
     assert cfg.validate(8).mesh.shape == (2, 2, 2, 1, 1)  # pp, dp_replicate, dp_shard, cp, tp
     # bf16 with ZeRO-3 over pp and a tied embedding is refused, so it is checked on its own
     bf16 = _parse("--dp", "2", "--zero", "2", "--precision", "bf16", "--adam-eps", "1e-6")
