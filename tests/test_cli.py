@@ -392,6 +392,7 @@ def test_run_zero3_memory_and_bytes_per_collective(cluster2):
         assert rs[0] == rs[1] != "0" and ag[0] == ag[1] != "0", cells
         assert re.fullmatch(r"\d+\.\d", cells.strip().strip("│").split("│")[-1].strip())
     assert "keep_last (the root unit's backward all-gather is not repeated)" in out
+    assert "warm-up" not in out  # 3 steps: a steady step was timed
 
 
 @pytest.mark.distributed
@@ -431,6 +432,8 @@ def test_run_pp_prints_measured_and_simulated_bubble(cluster2):
     assert "labkit run · model tiny · 2 layers ·" in out and "world 2" in out
     assert "pipeline · schedule 1f1b · P=2 M=4 V=1 · " in out and "launcher cluster" in out
     assert "1f1b        P=2 M=4 V=1: bubble measured" in out
+    # 2 steps: the second measures memory, so only the warm-up step was timed, and it says so
+    assert "warning: only the first (warm-up) step was timed" in out
     mem, comm = _tables(out)
     assert sorted(mem) == ["0", "1"]
     _model_state_equal(mem)

@@ -82,6 +82,9 @@ def render(cfg, outputs: list, info: dict, pipe: dict = None, console=None) -> N
     _header(console, cfg, metrics[0], len(outputs), info)
     console.print(cfg.mesh.describe())
     console.print(MEMORY_TITLE)
+    if any(m.get("step_time_warmup") for m in metrics):
+        console.print("warning: only the first (warm-up) step was timed, so the step time and "
+                      "MFU are not a steady step's; run 3 or more steps (--steps)")
     console.print(_memory_table(cfg, metrics))
     console.print(COMM_TITLE)
     console.print(_comm_table(cfg, metrics))

@@ -24,6 +24,7 @@ import dataclasses
 import re
 from typing import NamedTuple, Optional
 
+from ..config import COUNT_ONLY, PRESETS
 from .common import UsageError
 
 __all__ = ["Flag", "FLAGS", "NOT_FLAGS", "OUTPUT_FLAGS", "add_run_arguments",
@@ -52,8 +53,8 @@ _MODEL, _DP, _PP, _ND, _SPEED = ("model and batch", "data parallelism and ZeRO",
 
 #: every ``labkit run`` flag and the RunConfig field it sets
 FLAGS: tuple = (
-    Flag("--model", "model", str, "model preset: tiny, small, gpt2-124m, vit-digits "
-         "(default tiny)", _MODEL, metavar="NAME"),
+    Flag("--model", "model", str, "model preset: " + ", ".join(sorted(set(PRESETS) - COUNT_ONLY))
+         + " (default tiny; the Llama 3 presets are for `labkit plan`)", _MODEL, metavar="NAME"),
     Flag("--n-layers", "model", int, "model depth (default: the preset's; with --pp a "
          "shallower preset is deepened to one layer per stage)", _MODEL, metavar="L"),
     Flag("--steps", "steps", int, "optimizer steps (default 3)", _MODEL, metavar="N"),

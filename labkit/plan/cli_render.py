@@ -30,7 +30,7 @@ def render_plan(console, plan, terms: bool = False) -> None:
     from rich.table import Table
 
     lay, m = plan.layout, plan.model
-    console.print(f"{m.name} ({m.params / 1e9:,.1f}B params, seq {m.seq_len}) on "
+    console.print(f"{m.name} ({_count(m.params)} params, seq {m.seq_len}) on "
                   f"{lay.n_gpus} GPUs of {plan.cluster.name} ({plan.cluster.gpu.name}) · "
                   f"runtime {plan.runtime.name}")
     console.print(f"layout {layout_label(lay)} · global batch {lay.global_batch} sequences, "
@@ -85,7 +85,7 @@ def _render_experts(console, plan) -> None:
     m, lay, tk = plan.model, plan.layout, plan.terms
     console.print(f"mixture of experts: {m.n_experts} experts per block, top-{m.top_k}, "
                   f"router {m.d_model}×{m.n_experts}; {m.params:,} parameters in all, "
-                  f"{m.layer_matmul_params:,} of a block's active per token (router + "
+                  f"{m.layer_matmul_params:,} of a block's active per token (attention + router + "
                   f"{m.top_k} experts); ep={lay.ep}: {m.n_experts // lay.ep} experts of each "
                   f"block per GPU, {plan.rank_params[plan.memory_rank]:,.0f} parameters on "
                   f"pipeline rank {plan.memory_rank}")
@@ -185,3 +185,13 @@ def render_presets(console, data: dict) -> None:
     for k, v in data["runtimes"].items():
         r.add_row(k, v)
     console.print(r)
+
+
+def _count(n: float) -> str:
+    """A parameter count a person reads at a glance: ``405.0B``, ``124.4M``, ``344,896``."""
+    if n >= 1e9:
+        return f"{n / 1e9:,.1f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:,.1f}M"
+    return f"{int(n):,}"
+

@@ -98,6 +98,9 @@ def run(ctx, cfg: RunConfig) -> dict:
                "micro_batch": cfg.micro, "accum_steps": cfg.accum_steps,
                "tokens_per_step": cfg.global_batch * tokens_per_sample(cfg),
                "step_time_s": step_time, "step_times": times, "checkpoint": cfg.checkpoint,
+               # only the first step was timed (the last of 2 measures memory): the step time
+               # and MFU then include the warm-up (first-call allocations, FLOP counting)
+               "step_time_warmup": len(times) < 2,
                "precision": cfg.precision, "impl": cfg.impl,
                "memory_predicted": predicted_memory(setup),
                # Adam keeps a 4-byte step counter per parameter tensor (on the CPU)
