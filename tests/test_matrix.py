@@ -3,7 +3,8 @@ model or parallelism (tests/oracle): an all-pairs covering set of the dimensions
 0-3, HSDP, tp ± sp, cp × method × zigzag, pp × schedule × virtual stages, ep, tied/untied,
 GQA, dense/top-1/top-2/capacity, fp32/bf16, checkpoint policies, impl, accumulation), each
 run on the cluster and checked on every rank: losses, first-step gradients before the
-optimizer, final parameters, routing counts and aux loss, and FLOPs per data replica.
+optimizer, final parameters, routing counts and aux loss, FLOPs per data replica, and every
+axis's predicted bytes per collective against the bytes its traced calls moved.
 ``validate`` accepting a config means the ranks must run it. Compositions that meet a
 diagnosed defect are strict xfails naming it (tests/oracle/matrix.py ``known_defects``).
 Layout invariance: the same global batch and seed give the same losses, gradients and

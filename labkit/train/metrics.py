@@ -305,13 +305,17 @@ def _cp_predicted(setup) -> dict:
 
 
 def _pp_predicted(setup) -> dict:
-    """Pipeline bytes this rank sends per step: one ``(b, S, H)`` boundary tensor per
-    cross-rank SEND_F/SEND_B of the schedule, per flush, plus the tied-embedding exchange."""
+    """Pipeline bytes this rank sends per step: one ``(b, S, H)`` boundary tensor (fp32, or
+    bf16 with ZeRO's bf16 weights) per cross-rank SEND_F/SEND_B of the schedule, per flush,
+    plus the tied-embedding exchange."""
     from ..parallel.pipeline.schedules import with_comms
 
     cfg, mg = setup.cfg, setup.mg
     mc = cfg.model_config
-    act = cfg.micro * (mc.seq_len // cfg.parallel.cp) * mc.d_model * 4
+    # ZeRO's bf16 flat units hold bf16 weights, so the residual stream a stage hands on is
+    # bf16; under autocast over fp32 weights (ZeRO 0) it stays fp32
+    elem = 2 if cfg.precision == "bf16" and cfg.zero_stage >= 1 else 4
+    act = cfg.micro * (mc.seq_len // cfg.parallel.cp) * mc.d_model * elem
     sends = sum(1 for a in with_comms(setup.schedule).actions[mg.index("pp")]
                 if a.kind in ("SEND_F", "SEND_B"))
     out = {"send": float(sends * act * cfg.flushes)}

@@ -105,6 +105,7 @@ def disagreements(result, cfg) -> list:
     if cfg.model_config.n_experts:
         bad += _routing(result, cfg, ref)
     bad += _flops(result, cfg)
+    bad += _bytes(result)
     return bad
 
 
@@ -152,3 +153,17 @@ def _flops(result, cfg) -> list:
             bad.append(f"replica {d} hardware − model flops {hw - model:.0f} vs recompute "
                        f"{want['recompute']}")
     return bad
+
+
+def _bytes(result) -> list:
+    """Every prediction shown beside a measurement equals it: on every rank, each axis's
+    predicted bytes per collective are the bytes its traced calls moved in the timed step."""
+    bad = []
+    for m in result.metrics:
+        for axis, ops in m["comm_predicted_by_axis"].items():
+            got = {k: v for k, v in m["comm_bytes_by_axis"].get(axis, {}).items() if v}
+            want = {k: v for k, v in ops.items() if v}
+            if got != want:
+                bad.append(f"rank {m['rank']} bytes on {axis}: measured {got}, predicted {want}")
+    return bad
+

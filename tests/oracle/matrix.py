@@ -185,6 +185,10 @@ def known_defects(cfg: RunConfig) -> list:
     """The diagnosed labkit defects a composition runs into, as ``(raises, reason)``:
     ``raises`` when the ranks raise, else the run disagrees with the oracle. Empty: it must
     agree."""
-    p, mc = cfg.parallel, cfg.model_config
+    p = cfg.parallel
     out = []
+    if cfg.precision == "bf16" and p.tp > 1 and (cfg.zero_stage == 0 or cfg.sequence_parallel):
+        out.append((False, "tensor-parallel bytes under bf16 (autocast at ZeRO 0, or sequence "
+                    "parallelism): the traced tp collectives move more than the prediction's "
+                    "all-bf16 count (e.g. 49,920 vs 33,536 B per rank): some run in fp32"))
     return out
