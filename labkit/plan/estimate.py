@@ -210,7 +210,7 @@ def estimate(model: Union[str, PlanModel], cluster: Union[str, ClusterSpec], lay
     terms = _terms(m, c, layout, r, params, memory, mem_rank, limit, act, buf, st, mfu, hfu) \
         if detail else {}
     if detail and m.moe:
-        terms.update(expert_terms(m, layout, r, layers, mem_rank))
+        terms.update(expert_terms(m, layout, r, layers, mem_rank, Term))
     return Plan(m, c, layout, r, memory, mem_rank, limit, comm, bubble, step, mfu, hfu, terms,
                 reasons, tuple(params), tuple(ranks))
 

@@ -20,12 +20,11 @@ def expert_params(model, layout, layers: list) -> list:
     return [n * model.layer_expert_params / layout.ep for n in layers]
 
 
-def expert_terms(m, layout, r, layers: list, mem_rank: int) -> dict:
+def expert_terms(m, layout, r, layers: list, mem_rank: int, Term) -> dict:
     """``{name: Term}``: the experts a GPU holds, its expert parameters on pipeline rank
     ``mem_rank``, the router's and a block's active parameters, and (``ep > 1``) the
-    all-to-all bytes of one layer and microbatch under balanced routing."""
-    from labkit.plan.estimate import Term
-
+    all-to-all bytes of one layer and microbatch under balanced routing. ``Term`` is
+    :class:`labkit.plan.estimate.Term`, passed in so this module does not import its caller."""
     out: dict = {}
 
     def term(name, value, unit, formula, source=""):
