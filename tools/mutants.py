@@ -290,6 +290,16 @@ MUTANTS = [
            "    return batch * heads * causal_pairs_closed_form(rank, cp, seq_len, zigzag, True)",
            "the closed-form work ignores causal=False (non-causal attention counted as causal)",
            (f"{CTX} -k measured_work", "tests/test_independent_counts.py -k cp_work")),
+    Mutant("step_loss_host_read", "labkit/train/step.py",
+           "            total += loss_sum.detach().double()",
+           "            total += loss_sum.item()",
+           "each microbatch's loss is read by the host (a GPU sync per microbatch)",
+           ("tests/test_host_syncs.py -k ddp",)),
+    Mutant("pipeline_flush_host_read", "labkit/parallel/pipeline/executor.py",
+           "        return torch.stack(losses).sum().detach().double() if losses \\",
+           "        return torch.tensor(float(torch.stack(losses).sum()), dtype=torch.float64) if losses \\",
+           "each pipeline flush's loss is read by the host (a GPU sync per flush)",
+           ("tests/test_host_syncs.py -k 1f1b",)),
 ]
 
 

@@ -165,7 +165,7 @@ def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
     Only ranks that computed a loss contribute (the last pipeline stage; a tensor-parallel
     group counts once). One untraced all-reduce after training: bookkeeping, not traffic."""
     first_of_tp = setup.mg.index("tp") == 0  # every tp rank holds the same loss
-    t = torch.tensor([x if first_of_tp else 0.0 for x in shares], dtype=torch.float64)
+    t = torch.tensor([float(x) if first_of_tp else 0.0 for x in shares], dtype=torch.float64)
     if ctx.world_size == 1:
         return t.tolist()
     enabled, ctx.tracer.enabled = ctx.tracer.enabled, False

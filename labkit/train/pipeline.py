@@ -127,7 +127,8 @@ class TorchPipeline:
             self.schedule.step(x, **kw)
         else:
             self.schedule.step(**kw)
-        return float(torch.stack([t.detach() for t in losses]).sum()) if losses else 0.0
+        return torch.stack([t.detach() for t in losses]).sum().double() if losses \
+            else torch.zeros((), dtype=torch.float64, device=x.device)
 
 
 def _unrecorded_shape_inference(pstage, module) -> None:

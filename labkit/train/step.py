@@ -74,7 +74,9 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
     def step_plain(s: int, mark) -> float:
         x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         stage, fwd = setup.stages[0], setup.forward[0]
-        total = 0.0
+        # the sum stays on the device: reading it here (``.item()``) would make the host wait
+        # for every queued kernel once per microbatch on a GPU (tests/test_host_syncs.py)
+        total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for m in range(accum):
             setup.require_sync(m == accum - 1)
             xs, ys = x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]
@@ -85,7 +87,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
             mark(f"forward {m}")
             with region("backward", micro=m):
                 loss.backward()
-            total += loss_sum.item()
+            total += loss_sum.detach().double()
         finish(s, mark)
         return total / (cfg.global_batch * tokens_per_sample(cfg))
 
@@ -93,11 +95,11 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
         x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         per_flush = cfg.flush_microbatches * micro
         setup.require_sync(False)  # reduce once, after the last flush
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=setup.device)
         with setup.autocast():
             for f in range(cfg.flushes):
                 sl = slice(f * per_flush, (f + 1) * per_flush)
-                total += executor.run(x[sl], y[sl], scale, f)
+                total += executor.run(x[sl], y[sl], scale, f).to(total.device)
         mark("flushes")
         finish(s, mark)
         return total / (scale * cfg.global_batch * tokens_per_sample(cfg))

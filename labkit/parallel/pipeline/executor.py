@@ -138,12 +138,14 @@ class PipelineExecutor:
             posts.sort(key=lambda p: not p[0])
         return first, steps
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float, flush: int = 0) -> float:
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_scale: float,
+            flush: int = 0) -> torch.Tensor:
         """One flush: ``x``, ``y`` int64 ``(M·b, S)`` (the ranks without the first or last
         stage may pass anything of that shape). Gradients accumulate into ``.grad``.
 
         Returns the sum over microbatches of ``loss_scale · loss`` on the rank holding the
-        last stage (the flush's mean loss when ``loss_scale = 1/M``), else ``0.0``.
+        last stage (the flush's mean loss when ``loss_scale = 1/M``), else 0, as a 0-d
+        float64 tensor on the stages' device (the host does not wait for it).
         """
         b = x.shape[0] // self.sched.microbatches
         owner, me, stages, meter = self.sched.stage_rank, self.rank, self.stages, self.meter
@@ -227,7 +229,9 @@ class PipelineExecutor:
             inp = out = grad = h = None
         for h in sends:
             h.wait()
-        return float(torch.stack(losses).sum()) if losses else 0.0
+        # a 0-d float64 tensor, not a float: reading it would wait for the device
+        return torch.stack(losses).sum().detach().double() if losses \
+            else torch.zeros((), dtype=torch.float64, device=x.device)
 
     def _post(self, posts, pending: dict, ready: dict, sends: list) -> None:
         """Post one batch: the sends (``ready`` tensors), then the receives."""

@@ -78,6 +78,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None, None
 
 
+def _targets_in_vocab_cpu(t: torch.Tensor, bad: torch.Tensor, vocab_size: int) -> None:
+    """Raises ``ValueError`` naming the first target outside ``[0, vocab_size)``: a host
+    read, so only for targets already on the host (the name ending ``_cpu`` says so to
+    ``tests/host_syncs.py``)."""
+    if bool(bad.any()):
+        raise ValueError(f"target {int(t[bad][0])} is outside the vocabulary [0, {vocab_size})")
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, *,
                                  vocab_start: int, vocab_size: int, ignore_index: int = -100,
                                  label_smoothing: float = 0.0,
@@ -109,8 +117,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
                          "targets must be the logits' shape without the vocabulary dim")
     t = targets.reshape(-1)
     bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"target {int(t[bad][0])} is outside the vocabulary [0, {vocab_size})")
+    if t.device.type == "cpu":
+        _targets_in_vocab_cpu(t, bad, vocab_size)
+    else:
+        # on a GPU, reading ``bad`` would make the host wait for the device at every call;
+        # the device checks it and fails the stream instead, as torch's cross-entropy does
+        torch._assert_async(~bad.any(), f"a target is outside the vocabulary [0, {vocab_size})")
     loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), t,
                                             vocab_start, vocab_size, group, ignore_index,
                                             float(label_smoothing))
