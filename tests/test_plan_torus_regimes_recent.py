@@ -27,6 +27,8 @@ def test_c41_torus_rings_follow_the_scaling_book():  # claim C41
     assert line.bandwidth == W  # half an axis: no wraparound
     plane = place(t, (256, 1))
     assert plane.bandwidth == 4 * W and plane.ring_steps == 30
+    assert collective_time("all_gather", V, plane) == pytest.approx(  # 30 hops, not 255
+        8.4e-6 + 30e-6 + 255 / 256 * V / (4 * W * eta))
     # the GPU cluster: a ring of n GPUs takes n−1 steps; past the server, the NICs
     g = cluster_preset("cs336-cluster")
     assert place(g, (8, 1)).level == "nvlink" and place(g, (16, 1)).bandwidth == 400e9
