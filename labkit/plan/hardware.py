@@ -21,7 +21,9 @@ Presets (every number is sourced in its ``source`` string):
   of 8×A100 80 GB with NVLink 3 / NVSwitch (600 GB/s per GPU both directions) and eight
   200 Gb/s HDR InfiniBand adapters per server (25 GB/s per GPU), a three-level fat tree
   without oversubscription; 3,072 GPUs used at most.
-* ``a100-server`` — one DGX A100 server.
+* ``a100-server`` — one DGX A100 server; ``a100-40gb-256`` — 32 DGX A100 (40 GB) servers.
+* ``deepseek-h800-2048`` — DeepSeek-V3's 2,048 H800s (DeepSeek-AI 2024, §3.1): NVLink cut to
+  400 GB/s per GPU both directions, InfiniBand at 50 GB/s per GPU.
 * ``tpu-v4-pod``, ``tpu-v5p-pod`` and ``tpu-v5p-4096`` — Google TPU pods: no switch, a 3-D
   **torus** of chips each wired to its six neighbours by inter-chip interconnect (ICI)
   links, wrapping around each axis (claim C41). ``torus`` gives the axis lengths, the one

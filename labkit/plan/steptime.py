@@ -22,7 +22,10 @@ microbatch (gradients stay sharded while they accumulate); ZeRO-3 per microbatch
 layer (FSDP's unit) two all-gathers of the weights and one reduce-scatter (ZeRO §5.3) —
 each paying the collective's latency, which grows with the group — plus for HSDP an
 all-reduce of the shard across replicas once per step. Overlap is the runtime's fraction times the compute
-that can hide it. Hidden or not, every byte that leaves the server goes through the GPU's
+that can hide it; a once-per-step collective may also hide in the pipeline's idle time,
+``(p−1)/V`` microbatch-times per rank and step (its bubble: the gradients' reduce-scatter in
+the cool-down, the weights' all-gather in the next warm-up), as Llama 3's asynchronous FSDP
+does. Hidden or not, every byte that leaves the server goes through the GPU's
 network adapter: the step takes at least those bytes over its bandwidth (the axes share
 it). Last, the optimizer step, HBM-bound.
 """
