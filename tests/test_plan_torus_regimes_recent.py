@@ -104,7 +104,7 @@ def test_c43_every_reported_layout_fits_with_its_stated_axes(recent):  # claim C
 
 def test_c43_the_stated_layouts_are_needed(recent):  # claim C43
     """Why they used what they used: plain data parallelism does not fit OLMo 7B on a
-    40 GB A100 (16 bytes per parameter = 110 GB), FSDP does; DeepSeek-V3 without expert
+    40 GB A100 (at least 16 bytes per parameter = 110 GB), FSDP does; DeepSeek-V3 without expert
     parallelism does not fit an 80 GB H800."""
     plain = estimate("olmo-7b", "a100-40gb-256",
                      Layout(dp=256, zero=0, global_batch=2048, checkpoint="full"))
