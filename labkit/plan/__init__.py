@@ -15,6 +15,10 @@
 * :mod:`labkit.plan.search` — the best layouts that fit, and why the others fail.
 * :mod:`labkit.plan.published` — the planner against Narayanan et al. 2021 Table 1 and
   Llama 3's Table 4 (C35); :mod:`labkit.plan.rules` — the lectures' rules of thumb.
+* :mod:`labkit.plan.torus` — groups on a TPU torus, rings along its axes (C41);
+  :mod:`labkit.plan.regimes` — the batch-size regimes from searches over the global batch
+  (C42); :mod:`labkit.plan.recent` — recent models' reported layouts, fitted and predicted
+  (C43).
 """
 from labkit.plan.activations import in_flight, layer_activation_bytes
 from labkit.plan.comm import (COLLECTIVES, busbw_factor, comm_bytes, dp_step_comm_bytes,

@@ -21,7 +21,17 @@ Presets (every number is sourced in its ``source`` string):
   of 8×A100 80 GB with NVLink 3 / NVSwitch (600 GB/s per GPU both directions) and eight
   200 Gb/s HDR InfiniBand adapters per server (25 GB/s per GPU), a three-level fat tree
   without oversubscription; 3,072 GPUs used at most.
-* ``a100-server`` — one DGX A100 server.
+* ``a100-server`` — one DGX A100 server; ``a100-40gb-256`` — 32 DGX A100 (40 GB) servers.
+* ``deepseek-h800-2048`` — DeepSeek-V3's 2,048 H800s (DeepSeek-AI 2024, §3.1): NVLink cut to
+  400 GB/s per GPU both directions, InfiniBand at 50 GB/s per GPU.
+* ``tpu-v4-pod``, ``tpu-v5p-pod`` and ``tpu-v5p-4096`` — Google TPU pods: no switch, a 3-D
+  **torus** of chips each wired to its six neighbours by inter-chip interconnect (ICI)
+  links, wrapping around each axis (claim C41). ``torus`` gives the axis lengths, the one
+  level's ``bandwidth`` one ICI link's one-way rate; :mod:`labkit.plan.torus` places groups
+  on it. Figures from Austin et al. 2025, "How to Scale Your Model" (the scaling book),
+  Part 2 "How to Think About TPUs": v4p 2.75e14 bf16 FLOP/s, 32 GB HBM at 1.2e12 B/s, pod
+  16×16×16, ICI 4.5e10 B/s one-way per link; v5p 4.59e14 FLOP/s, 96 GB at 2.8e12 B/s, pod
+  16×20×28 (8,960 chips), ICI 9e10 B/s one-way per link; ~1 µs per ICI hop.
 
 HBM bandwidth is the GPU's own level (3,352 GB/s on an H100 SXM, C2).
 """
@@ -89,12 +99,17 @@ class ClusterSpec:
         gpu: the :class:`GPU`.
         levels: innermost first; the last level's ``size`` is the number of GPUs.
         source: where the topology comes from.
+        torus: axis lengths ``(X, Y, Z)`` of a torus network (X varies fastest in the rank
+            number), empty for a switched hierarchy; its one level is the ICI link.
+        host: chips per host of a torus (what ``gpus_per_node`` reports for it).
     """
 
     name: str
     gpu: GPU
     levels: tuple[Level, ...]
     source: str
+    torus: tuple = ()
+    host: int = 4
 
     def __post_init__(self):
         prev = 1
@@ -103,6 +118,13 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec {self.name!r}: level {lv.name!r} size "
                                  f"{lv.size} is not a multiple of the level inside it ({prev})")
             prev = lv.size
+        if self.torus:
+            n = 1
+            for d in self.torus:
+                n *= d
+            if len(self.levels) != 1 or n != self.levels[0].size:
+                raise ValueError(f"ClusterSpec {self.name!r}: a torus {self.torus} needs one "
+                                 f"level of {n} chips, got {[lv.size for lv in self.levels]}")
 
     @property
     def n_gpus(self) -> int:
@@ -110,8 +132,8 @@ class ClusterSpec:
 
     @property
     def gpus_per_node(self) -> int:
-        """GPUs behind the innermost (NVLink) level."""
-        return self.levels[0].size
+        """GPUs behind the innermost (NVLink) level; a torus's chips per host."""
+        return self.host if self.torus else self.levels[0].size
 
     def hierarchy(self) -> list[tuple[str, int, float]]:
         """``(level, GPUs in one domain, bytes/s per GPU per direction)`` from the GPU's own
@@ -133,6 +155,8 @@ class ClusterSpec:
 NCCL_BASE_LATENCY = 8.4e-6
 NVLINK_HOP_LATENCY = 3.4e-6
 NET_HOP_LATENCY = 9.6e-6
+#: the scaling book's ~1 µs per ICI hop
+ICI_HOP_LATENCY = 1e-6
 
 GPUS: dict[str, GPU] = {
     "H100-SXM": GPU(
@@ -145,6 +169,25 @@ GPUS: dict[str, GPU] = {
         "A100-SXM-80GB", 312 * T, 80 * GiB, 2039 * G, 0.859,
         "NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 dense, 80 GB HBM2e at 2,039 GB/s; "
         "MAMF 267.9 TFLOP/s = 85.9 % (S. Bekman, ml-engineering, MAMF table, CUDA 12.1)"),
+    "H800-SXM": GPU(
+        "H800-SXM", 989.4 * T, 80 * GiB, 3352 * G, 0.801,
+        "NVIDIA H800 SXM: the H100 SXM's compute and memory (989.4 TFLOP/s bf16, 80 GB at "
+        "3.35 TB/s) with NVLink cut to 400 GB/s per GPU both directions; MAMF taken as the "
+        "H100's"),
+    "A100-SXM-40GB": GPU(
+        "A100-SXM-40GB", 312 * T, 40 * GiB, 1555 * G, 0.859,
+        "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s; MAMF as "
+        "the 80 GB part's"),
+    "TPU-v4p": GPU(
+        "TPU-v4p", 2.75e14, 32e9, 1.2e12, 0.80,
+        "Austin et al. 2025, How to Scale Your Model, Part 2 (TPU v4p: 2.75e14 bf16 FLOP/s, "
+        "32 GB HBM at 1.2e12 B/s); matmul efficiency assumed 0.80, the lecture's ~80 % "
+        "ceiling (claim C20) — no TPU MAMF is published"),
+    "TPU-v5p": GPU(
+        "TPU-v5p", 4.59e14, 95 * GiB, 2.8e12, 0.80,
+        "Austin et al. 2025, How to Scale Your Model, Part 2 (TPU v5p: 4.59e14 bf16 FLOP/s, "
+        "96 GB HBM at 2.8e12 B/s); 95 GiB allocatable (Google Cloud TPU v5p page); matmul "
+        "efficiency assumed 0.80 (claim C20's ceiling)"),
 }
 
 _H100 = GPUS["H100-SXM"]
@@ -187,6 +230,41 @@ CLUSTERS: dict[str, ClusterSpec] = {
         "one DGX A100: 8×A100 80 GB, NVLink 3 through NVSwitch, 600 GB/s per GPU both "
         "directions (NVIDIA DGX A100 datasheet)"),
 }
+
+
+def _torus(name: str, chip: str, dims: tuple, link: float, source: str) -> ClusterSpec:
+    n = 1
+    for d in dims:
+        n *= d
+    return ClusterSpec(name, GPUS[chip], (Level("ici", n, link, ICI_HOP_LATENCY),), source,
+                       torus=tuple(dims))
+
+
+_BOOK = ("Austin et al. 2025, How to Scale Your Model (the scaling book), Part 2: a 3-D torus "
+         "with wraparound, each chip linked to its 6 neighbours")
+CLUSTERS["a100-40gb-256"] = ClusterSpec(
+    "a100-40gb-256", GPUS["A100-SXM-40GB"],
+    (_NVLINK3, Level("fat-tree", 256, 25 * G, NET_HOP_LATENCY)),
+    "32 DGX A100 (40 GB) servers as NVIDIA sells them: NVLink 3 / NVSwitch, eight 200 Gb/s "
+    "HDR InfiniBand adapters per server (25 GB/s per GPU); OLMo 7B trained on A100 40 GB "
+    "(Groeneveld et al. 2024), whose network this does not claim to model")
+CLUSTERS["deepseek-h800-2048"] = ClusterSpec(
+    "deepseek-h800-2048", GPUS["H800-SXM"],
+    (Level("nvlink", 8, 200 * G, NVLINK_HOP_LATENCY),
+     Level("fat-tree", 2048, 50 * G, NET_HOP_LATENCY)),
+    "DeepSeek-AI 2024 (DeepSeek-V3 Technical Report) §3.1: 2,048 H800 GPUs, 8 per node on "
+    "NVLink / NVSwitch, InfiniBand between nodes (50 GB/s per GPU, §3.2.2)")
+CLUSTERS["tpu-v4-pod"] = _torus("tpu-v4-pod", "TPU-v4p", (16, 16, 16), 4.5e10,
+                                _BOOK + "; TPU v4p pod 16×16×16, ICI 4.5e10 B/s one-way per link")
+CLUSTERS["tpu-v5p-pod"] = _torus("tpu-v5p-pod", "TPU-v5p", (16, 20, 28), 9e10,
+                                 _BOOK + "; TPU v5p pod 16×20×28 = 8,960 chips, ICI 9e10 B/s "
+                                 "one-way per link")
+CLUSTERS["tpu-v5p-4096"] = _torus("tpu-v5p-4096", "TPU-v5p", (16, 16, 16), 9e10,
+                                  _BOOK + "; a 16×16×16 slice of a v5p pod (Google Cloud "
+                                  "lists it among v5p's full-torus slice shapes)")
+CLUSTERS["tpu-v5p-6144"] = _torus("tpu-v5p-6144", "TPU-v5p", (16, 16, 24), 9e10,
+                                  _BOOK + "; v5p's largest slice, 16×16×24 = 6,144 chips, "
+                                  "the size Gemma 2 27B trained on (Gemma Team 2024, Table 3)")
 
 
 def cluster_preset(cluster: Union[str, ClusterSpec]) -> ClusterSpec:

@@ -20,7 +20,12 @@ Presets:
 * GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12,288, 96 heads of 128,
   context 2,048; the GPT-2 BPE vocabulary of 50,257 tokens);
 * the ten GPT models of Narayanan et al. 2021, Table 1 (``megatron-1.7b`` … ``megatron-1t``):
-  GELU MLP of ``4h``, learned positions, biases, dropout, vocabulary 51,200, sequence 2,048.
+  GELU MLP of ``4h``, learned positions, biases, dropout, vocabulary 51,200, sequence 2,048;
+* the recent models of CS336 Lecture 7's table (claim C43), with their published shapes:
+  ``olmo-7b``, ``deepseek-67b``, ``deepseek-v3`` (mixture of experts), ``qwen-14b``,
+  ``qwen1.5-moe-a2.7b`` (mixture of experts), ``gemma2-27b``. What the planner's shape
+  cannot say is folded in and stated in each ``source`` (shared experts as experts every
+  token visits; DeepSeek-V3's multi-head latent attention as plain multi-head attention).
 
 FLOPs follow the conventions of :mod:`labkit.measure.flops` (one multiply-add is 2 FLOP,
 backward ≈ 2× forward): model FLOPs per token ``6·N_matmul + 12·L·a·d·s`` (Kaplan et al.
@@ -247,6 +252,48 @@ for _name, _heads, _hidden, _layers in (
         ("1t", 160, 25600, 128)):
     PLAN_MODELS[f"megatron-{_name}"] = _gpt(f"megatron-{_name}", _layers, _hidden, _heads,
                                             51200, _NARAYANAN)
+
+
+def _recent(name: str, **kw) -> PlanModel:
+    PLAN_MODELS[name] = PlanModel(name=name, **kw)
+    return PLAN_MODELS[name]
+
+
+_recent("olmo-7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008,
+        vocab_size=50304, seq_len=2048, norm="layernorm",
+        source="Groeneveld et al. 2024 (OLMo), Table 1: 32 layers, d_model 4,096, 32 heads, "
+               "SwiGLU of 22,016 (two halves of 11,008), RoPE, non-parametric layer norm "
+               "(counted here as a weighted one), no biases, untied, vocabulary 50,280 "
+               "padded to 50,304, sequence 2,048")
+_recent("deepseek-67b", n_layers=95, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=22016,
+        vocab_size=102400, seq_len=4096,
+        source="DeepSeek-AI 2024 (DeepSeek LLM), Table 2: 95 layers, d_model 8,192, 64 heads, "
+               "8 KV heads (GQA), context 4,096; FFN 22,016 and vocabulary 102,400 from the "
+               "released config")
+_recent("deepseek-v3", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, d_ff=2048,
+        vocab_size=129280, seq_len=4096, n_experts=256, top_k=9,
+        source="DeepSeek-AI 2024 (DeepSeek-V3 Technical Report) §4.2: 61 layers, hidden 7,168, "
+               "128 heads, 1 shared + 256 routed experts of hidden 2,048, 8 routed per token, "
+               "vocabulary 129,280, sequence 4,096; 671B parameters, 37B active. Folded in: "
+               "the shared expert as a ninth expert every token visits (its FLOPs exact, its "
+               "44M parameters per layer left out), the first three dense layers as MoE "
+               "layers, multi-head latent attention as multi-head attention")
+_recent("qwen-14b", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13696,
+        vocab_size=152064, seq_len=2048,
+        source="Bai et al. 2023 (Qwen Technical Report), Table 1: 14B: hidden 5,120, 40 heads, "
+               "40 layers, sequence 2,048; SwiGLU of 13,696 (8/3 of hidden, rounded), "
+               "vocabulary 151,851 padded to 152,064, untied")
+_recent("qwen1.5-moe-a2.7b", n_layers=24, d_model=2048, n_heads=16, n_kv_heads=16,
+        d_ff=1408, vocab_size=151936, seq_len=8192, n_experts=64, top_k=8,
+        source="Qwen team 2024, Qwen1.5-MoE-A2.7B (release notes and config): 24 layers, "
+               "hidden 2,048, 16 heads, 60 routed experts of 1,408 with 4 per token and a "
+               "shared expert of 5,632 (= 4 × 1,408) every token uses, folded in as 4 more "
+               "experts always chosen: 64 experts, 8 per token; 14.3B parameters, 2.7B active")
+_recent("gemma2-27b", n_layers=46, d_model=4608, n_heads=32, n_kv_heads=16, d_ff=36864,
+        vocab_size=256128, seq_len=8192, tie_embeddings=True,
+        source="Gemma Team 2024 (Gemma 2), Table 1: 27B: d_model 4,608, 46 layers, 32 heads, "
+               "16 KV heads, GeGLU of 73,728 (two branches of 36,864), vocabulary 256,128, "
+               "context 8,192, tied embeddings; head size 128 taken as d_model/heads = 144")
 
 
 def plan_model(model: Union[str, PlanModel, ModelConfig], seq_len: int | None = None

@@ -28,10 +28,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from labkit.plan.comm import comm_bytes, normalize_collective
 from labkit.plan.hardware import NCCL_BASE_LATENCY, ClusterSpec
 from labkit.plan.runtime import LINK_EFFICIENCY
+from labkit.plan.torus import torus_rate
 
 __all__ = ["Placement", "place", "collective_time"]
 
@@ -50,6 +52,9 @@ class Placement:
             the link efficiency.
         hop_latency: seconds per ring step.
         slowdown: the oversubscription penalty applied (1 = none).
+        ring_steps: ring steps of an all-gather on a torus (``Σ (e_d − 1)`` over the
+            axes it spans, :mod:`labkit.plan.torus`); ``None`` on a switched cluster
+            (``n − 1``).
     """
 
     size: int
@@ -59,6 +64,7 @@ class Placement:
     bandwidth: float
     hop_latency: float
     slowdown: float = 1.0
+    ring_steps: Optional[int] = None
 
     @property
     def crosses_servers(self) -> bool:
@@ -105,6 +111,10 @@ def place(cluster: ClusterSpec, *axes: tuple[int, int]) -> Placement:
                          f"{cluster.n_gpus}")
     levels = cluster.levels
     node = levels[0]
+    if cluster.torus:
+        bw, steps, spacing = torus_rate(cluster.torus, node.bandwidth, axes)
+        return Placement(size, stride0, node.name, size, bw, node.latency * spacing,
+                         ring_steps=steps)
     g_server = _members(axes, node.size)
     if g_server == size:
         return Placement(size, stride0, node.name, size, node.bandwidth, node.latency)
@@ -138,6 +148,8 @@ def collective_time(collective: str, size_bytes: float, placement: Placement,
         return 0.0
     if c == "send_recv":
         steps = 1
+    elif placement.ring_steps is not None:  # rings along the torus axes
+        steps = placement.ring_steps * (2 if c == "all_reduce" else 1)
     elif c == "all_reduce":
         steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
     else:

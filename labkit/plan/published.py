@@ -13,11 +13,13 @@ and no number of model chunks; :func:`predict_megatron_row` lets the planner cho
 **Dubey et al. 2024**, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100s,
 16M tokens per batch, BF16 MFU.
 
-How close (``tests/test_plan_published.py`` holds the per-row table): every Table 1 row
-within −5 % … +30 %, largest miss +25.6 % (76.1B), all of one sign — the planner is ~20 %
-optimistic about 2021 A100 kernels, and right about how utilisation changes across the
-table (every row within ±8 % of the median ratio). Llama 3's three rows within ±15 %,
-largest miss −10.9 % (16,384 GPUs, 8K).
+How close (``tests/test_plan_published.py`` holds the per-row table, before and after):
+every Table 1 row within ±10 %, largest miss −6.4 % (529.6B), with the A100 at the 0.626 of
+peak that Megatron's 2021 software sustained on one GPU (derived from row 1 alone,
+:data:`~labkit.plan.runtime.A100_2021_MATMUL_EFFICIENCY`; at the GPU's best-GEMM MAMF of
+0.859 the planner over-predicted every row by 14–26 %). Llama 3's three rows within ±10 %,
+largest miss −7.8 % (16,384 GPUs, 8K), with data-parallel traffic hidden in the pipeline
+bubble as Llama 3's asynchronous FSDP allows.
 """
 from __future__ import annotations
 
@@ -108,7 +110,8 @@ def _chunks(layers: int, pp: int) -> list[int]:
     return [v for v in range(1, per + 1) if per % v == 0]
 
 
-def predict_megatron_row(row: MegatronRow, cluster: str = "selene-a100") -> dict:
+def predict_megatron_row(row: MegatronRow, cluster: str = "selene-a100",
+                         runtime="megatron-2021") -> dict:
     """The planner's prediction for one Table 1 row (Megatron 2021 runtime, full
     recomputation, no sequence parallelism, ZeRO 0), best over microbatch size and chunks.
 
@@ -128,7 +131,7 @@ def predict_megatron_row(row: MegatronRow, cluster: str = "selene-a100") -> dict
                          global_batch=row.batch, schedule=sched, virtual_stages=v,
                          checkpoint="full", sequence_parallel=False)
             try:
-                plans.append(estimate(model, cluster, lay, runtime="megatron-2021"))
+                plans.append(estimate(model, cluster, lay, runtime=runtime))
             except ValueError:
                 continue
     best = _best(plans)

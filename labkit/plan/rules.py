@@ -18,17 +18,21 @@
   parallel: a few percent per doubling inside the server, then a cliff once the group
   leaves it (HF's measurement in CS336 Lecture 7: −10 %, −10 %, −12 % up to TP 8; −42 % at
   16, −65 % at 32).
+* :func:`collective_scaling` — one collective's time and bandwidth as its group grows, on a
+  switched GPU cluster or a TPU torus (claim C41): on the GPUs a step at the server
+  boundary and, for groups that leave a 256-GPU switch domain sparsely, another at the
+  spine; on the torus a rate set by the axes the group spans, no cliff.
 """
 from __future__ import annotations
 
 from typing import Iterable, Union
 
 from labkit.plan.estimate import estimate
-from labkit.plan.hardware import ClusterSpec
+from labkit.plan.hardware import ClusterSpec, cluster_preset
 from labkit.plan.layout import AXES, Layout
 from labkit.plan.models import PlanModel, plan_model
 
-__all__ = ["comm_per_flop", "tp_scaling"]
+__all__ = ["comm_per_flop", "tp_scaling", "collective_scaling"]
 
 
 def comm_per_flop(model: Union[str, PlanModel], axis: str, seq_len: int, global_batch: int,
@@ -69,4 +73,27 @@ def tp_scaling(model: Union[str, PlanModel], cluster: Union[str, ClusterSpec], s
         rate = lay.global_batch / p.step_time / t
         base = base or rate
         out[t] = rate / base
+    return out
+
+
+def collective_scaling(cluster: Union[str, ClusterSpec], sizes: Iterable[int],
+                       collective: str = "all_reduce", size_bytes: float = 1e9,
+                       stride: int = 1) -> list[dict]:
+    """``collective`` on ``size_bytes`` over groups of each of ``sizes`` ranks, ``stride``
+    apart (1: neighbours, as tensor parallelism; a model replica's size: the
+    data-parallel group of a layout). One dict per size: ``n``, ``level``, ``bandwidth``
+    (bytes/s per GPU before link efficiency), ``slowdown`` (oversubscription),
+    ``seconds`` (:func:`labkit.plan.network.collective_time`).
+
+    Raises:
+        ValueError: a group larger than the cluster, an unknown collective.
+    """
+    from labkit.plan.network import collective_time, place
+    c = cluster_preset(cluster)
+    out = []
+    for n in sizes:
+        pl = place(c, (int(n), int(stride)))
+        out.append({"n": int(n), "level": pl.level, "bandwidth": pl.bandwidth,
+                    "slowdown": pl.slowdown,
+                    "seconds": collective_time(collective, size_bytes, pl)})
     return out

@@ -16,7 +16,23 @@ LINK_EFFICIENCY        0.80   assumed: NCCL's bus bandwidth reaches ~80 % of the
                               matmuls). Not measured here: labkit's machine has no NVLink.
 hop latencies          µs     NCCL's tuning model (src/graph/tuning.cc), see
                               :mod:`labkit.plan.hardware`.
+A100_2021_MATMUL_EFF.  0.626  the fraction of the A100's 312 TFLOP/s that Megatron-LM's 2021
+                              software stack (PyTorch 1.8, cuBLAS 11, its fused kernels)
+                              sustained on one GPU, end to end: derived once from Narayanan
+                              et al. 2021 Table 1 row 1 (1.7B, no tensor or pipeline
+                              parallelism, 32 GPUs whose gradient all-reduce is ~1 % of the
+                              step), the only row where a GPU computes alone; the nine
+                              other rows are predictions. ``tests/test_plan_published.py``
+                              re-derives it.
 =====================  =====  ==============================================================
+
+**Achieved against the best matmul.** The GPU's MAMF (its ``matmul_efficiency``) is the
+best GEMM over a sweep of shapes with 2024 libraries. A :class:`Runtime` may replace it with
+what its implementation achieved (``matmul_efficiency``): one constant per GPU type and
+software era, not per run. Megatron-LM 2021 on A100s reached 0.626 of peak where MAMF says
+0.859 (kernel-launch gaps, unfused element-wise work, data loading and logging are in the
+end-to-end figure); Llama 3's 2024 stack on H100s is taken at MAMF (0.801), and its three
+rows of Table 4 land within ±10 % with it.
 
 A :class:`Runtime` records what an implementation does, each field from its paper:
 which communication it overlaps with compute (0 = exposed, 1 = hidden as far as the compute
@@ -27,11 +43,11 @@ per-rank model state can be held against a real run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 __all__ = ["MEMORY_EFFICIENCY", "LINK_EFFICIENCY", "ADAM_BYTES_PER_PARAM", "Runtime",
-           "RUNTIMES", "runtime_preset"]
+           "RUNTIMES", "runtime_preset", "A100_2021_MATMUL_EFFICIENCY"]
 
 MEMORY_EFFICIENCY = 0.90
 LINK_EFFICIENCY = 0.80
@@ -39,6 +55,8 @@ LINK_EFFICIENCY = 0.80
 #: (3·8), the gradient read, the 16-bit weight written (Kingma & Ba 2015; mixed precision
 #: as in Micikevicius et al. 2018).
 ADAM_BYTES_PER_PARAM = 24 + 2
+#: A100 under Megatron-LM's 2021 software, end to end (see the table above).
+A100_2021_MATMUL_EFFICIENCY = 0.626
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,9 @@ class Runtime:
             4: fp32).
         optimizer_bytes: Adam's bytes per parameter (12: fp32 master, m, v; 8: m and v over
             fp32 weights).
+        matmul_efficiency: ``((gpu name, fraction of peak), ...)``: what this
+            implementation's GEMMs achieved on each GPU type it ran on; a GPU not listed
+            runs at its MAMF (:attr:`labkit.plan.hardware.GPU.matmul_efficiency`).
         zero_shards_experts: with ``ep > 1``, ZeRO shards the expert parameters' state over
             their expert-data group (``dp·cp/ep`` ranks), as Megatron-Core's distributed
             optimizer does; ``False``: it leaves them whole on each rank (labkit's job keeps
@@ -77,16 +98,24 @@ class Runtime:
     param_bytes: int = 2
     optimizer_bytes: int = 12
     zero_shards_experts: bool = True
+    matmul_efficiency: tuple = ()
+
+    def gpu(self, gpu):
+        """``gpu`` with this implementation's achieved matmul efficiency, if it has one."""
+        eff = dict(self.matmul_efficiency).get(gpu.name)
+        return gpu if eff is None else replace(gpu, matmul_efficiency=eff)
 
 
 RUNTIMES: dict[str, Runtime] = {
     "megatron-2021": Runtime(
         "megatron-2021", grad_bytes=2, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
         dp_overlap=0.0, pp_scatter_gather=True,
+        matmul_efficiency=(("A100-SXM-80GB", A100_2021_MATMUL_EFFICIENCY),),
         source="Narayanan et al. 2021 (Megatron-LM, PTD-P): fp16 mixed precision; tensor-"
                "parallel all-reduces and pipeline send/recv block the compute stream; the "
                "data-parallel gradient all-reduce runs after the last microbatch's backward; "
-               "scatter/gather of pipeline activations (§4.1)"),
+               "scatter/gather of pipeline activations (§4.1); GEMMs at 0.626 of the A100's "
+               "peak (A100_2021_MATMUL_EFFICIENCY)"),
     "llama3-2024": Runtime(
         "llama3-2024", grad_bytes=4, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
         dp_overlap=1.0, pp_scatter_gather=False,

@@ -85,10 +85,13 @@ def degree_choices(model: PlanModel, cluster: ClusterSpec, n_gpus: int,
                    pp: Optional[Iterable[int]] = None, dp: Optional[Iterable[int]] = None
                    ) -> list[tuple[int, int, int, int]]:
     """``(tp, cp, pp, dp)`` with product ``n_gpus``. Defaults: ``tp`` powers of two up to
-    twice a server (one step across the server boundary, to show what it costs); ``cp``
+    twice a server (one step across the server boundary, to show what it costs), on a torus
+    up to its first axis; ``cp``
     powers of two keeping at least 1,024 tokens per rank; ``pp`` any divisor up to the
     layer count."""
-    tps = list(tp) if tp else _powers_of_two(min(n_gpus, 2 * cluster.gpus_per_node))
+    # a torus has no server boundary: tensor parallelism may fill its first axis
+    cap = cluster.torus[0] if cluster.torus else 2 * cluster.gpus_per_node
+    tps = list(tp) if tp else _powers_of_two(min(n_gpus, cap))
     cps = list(cp) if cp else [c for c in _powers_of_two(64) if model.seq_len // c >= 1024
                                or c == 1]
     out = []

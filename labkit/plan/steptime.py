@@ -22,7 +22,10 @@ microbatch (gradients stay sharded while they accumulate); ZeRO-3 per microbatch
 layer (FSDP's unit) two all-gathers of the weights and one reduce-scatter (ZeRO §5.3) —
 each paying the collective's latency, which grows with the group — plus for HSDP an
 all-reduce of the shard across replicas once per step. Overlap is the runtime's fraction times the compute
-that can hide it. Hidden or not, every byte that leaves the server goes through the GPU's
+that can hide it; a once-per-step collective may also hide in the pipeline's idle time,
+``(p−1)/V`` microbatch-times per rank and step (its bubble: the gradients' reduce-scatter in
+the cool-down, the weights' all-gather in the next warm-up), as Llama 3's asynchronous FSDP
+does. Hidden or not, every byte that leaves the server goes through the GPU's
 network adapter: the step takes at least those bytes over its bandwidth (the axes share
 it). Last, the optimizer step, HBM-bound.
 """
@@ -101,7 +104,8 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
               ) -> StepTime:
     """The :class:`StepTime` of ``layout`` (already checked) with ``layers`` and
     ``params`` per pipeline rank."""
-    gpu, s, t, p, v = cluster.gpu, model.seq_len, layout.tp, layout.pp, layout.virtual_stages
+    gpu, s, t, p, v = (runtime.gpu(cluster.gpu), model.seq_len, layout.tp, layout.pp,
+                       layout.virtual_stages)
     b, mb, sp, r, z = layout.microbatch, layout.microbatches, layout.sp, runtime, layout.zero
     s_loc = s // layout.cp
     T = b * s_loc
@@ -160,8 +164,13 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
     t_pipe = (mb + (p - 1) / v) * t_mb
     bubble = ((p - 1) / v) / (mb + (p - 1) / v)
 
+    # the pipeline's idle time: a rank waits (p−1)/V microbatch-times per step, in the
+    # warm-up before its first forward and the cool-down after its last backward; the
+    # gradients' reduce-scatter can run in the cool-down, the weights' all-gather for the
+    # next step in the warm-up (as zero-bubble schedules fill the bubble with W)
+    idle = (p - 1) / v * t_mb
     dp = _data_parallel(cluster, layout, runtime, params[slow], layers[slow] * t_f,
-                        layers[slow] * t_b, t_mb, layers[slow])
+                        layers[slow] * t_b, t_mb, layers[slow], idle)
     P_opt = params[slow] / ((layout.shard_group if z == 3 else layout.dp * cp) if z else 1)
     t_opt = P_opt * ADAM_BYTES_PER_PARAM / (MEMORY_EFFICIENCY * gpu.hbm_bandwidth)
     n = mb * layers[slow]
@@ -201,9 +210,11 @@ def _with_nic(a: AxisTime, cluster, layout, axis: str) -> AxisTime:
 
 
 def _data_parallel(cluster, layout, r, P: float, win_f: float, win_b: float, t_mb: float,
-                   units: int = 1) -> AxisTime:
+                   units: int = 1, idle: float = 0.0) -> AxisTime:
     """Data-parallel (ZeRO) traffic of a rank holding ``P`` parameters in ``units`` FSDP
-    units (its layers), per step."""
+    units (its layers), per step. Once-per-step collectives may hide behind the last
+    microbatch's compute and the pipeline's ``idle`` seconds (its bubble, split between
+    the cool-down, for gradients, and the next step's warm-up, for weights)."""
     cp, dp, z, mb = layout.cp, layout.dp, layout.zero, layout.microbatches
     n = dp * cp
     if n == 1:
@@ -214,19 +225,21 @@ def _data_parallel(cluster, layout, r, P: float, win_f: float, win_b: float, t_m
         if z == 0:
             sec = collective_time("all_reduce", g, pl)
             return AxisTime(n, pl.level, pl.bandwidth, "all-reduce of the gradients per step",
-                            sec, _exposed(sec, r.dp_overlap, win_f + win_b),
+                            sec, _exposed(sec, r.dp_overlap, win_f + win_b + idle),
                             2 * (n - 1) / n * g)
         rs = collective_time("reduce_scatter", g, pl)
         ag = collective_time("all_gather", 2 * P, pl)
         if z == 1:
             return AxisTime(n, pl.level, pl.bandwidth,
                             "reduce-scatter of the gradients, all-gather of the weights, "
-                            "per step", rs + ag, _exposed(rs + ag, r.dp_overlap, win_f + win_b),
+                            "per step", rs + ag,
+                            _exposed(rs + ag, r.dp_overlap, win_f + win_b + idle),
                             (n - 1) / n * (g + 2 * P))
         return AxisTime(n, pl.level, pl.bandwidth,
                         "reduce-scatter of the gradients per microbatch, all-gather of the "
                         "weights per step", mb * rs + ag,
-                        mb * _exposed(rs, r.dp_overlap, win_b) + _exposed(ag, r.dp_overlap, win_f),
+                        mb * _exposed(rs, r.dp_overlap, win_b)
+                        + _exposed(ag, r.dp_overlap, win_f + idle),
                         (n - 1) / n * (mb * g + 2 * P))
     K = layout.shard_group
     pl = place(cluster, (cp, layout.stride("cp")), (K // cp, layout.stride("dp")))
@@ -243,7 +256,7 @@ def _data_parallel(cluster, layout, r, P: float, win_f: float, win_b: float, t_m
         rep = place(cluster, (R, layout.stride("dp") * (K // cp)))
         extra = collective_time("all_reduce", g / K, rep)
         sec += extra
-        exposed += _exposed(extra, r.dp_overlap, win_b)
+        exposed += _exposed(extra, r.dp_overlap, win_b + idle)
         sent += 2 * (R - 1) / R * g / K
         desc += f"; all-reduce of the shard across {R} replicas per step (HSDP)"
         if rep.crosses_servers:

@@ -15,6 +15,12 @@ the efficiency falls slowly inside a node and steeply once the bandwidth drops b
 node/network ratio (~18× for 900 GB/s NVLink vs 50 GB/s per-GPU InfiniBand): the lecture's
 ~10–12% loss up to 8 ranks and 42–65% across nodes (CS336 lecture 7, from Hugging Face's
 scaling tutorial), a shape rather than those exact figures, which depend on model and overlap.
+
+Across servers this model puts the whole ring on one GPU's network adapter: a bound (a group
+with one member per server gets exactly that), not what NCCL does for a group with 8
+members per server, which runs one ring per adapter. The full planner
+(:func:`labkit.plan.rules.tp_scaling`) does that and lands beside the measurement (0.61 at TP
+16 where this model says 0.2; notebook 13 §2).
 """
 from __future__ import annotations
 
