@@ -237,7 +237,7 @@ def test_405b_rank_agrees_with_the_planner():
     # the first microbatch's received input, kept by torch's tracker after its backward
     assert role["tracker-held inputs"] == BOUNDARY and role["layer working set"] == 0
     # the flush's batch (int64 inputs and targets) and the step's loss sum, a float64 kept on
-    # the device so that the host never waits for it (tests/test_host_syncs.py)
+    # the device so that the host never waits for it (tests/test_device_placement.py)
     assert role["other"] == 2 * 16 * 8192 * 8 + 8
     assert abs(got["activations"]["error"]) <= 0.05, got["activations"]
     assert got["activations (Megatron)"]["error"] < -0.2  # what the named terms explain

@@ -294,12 +294,17 @@ MUTANTS = [
            "            total += loss_sum.detach().double()",
            "            total += loss_sum.item()",
            "each microbatch's loss is read by the host (a GPU sync per microbatch)",
-           ("tests/test_host_syncs.py -k ddp",)),
+           ("tests/test_device_placement.py -k ulysses",)),
     Mutant("pipeline_flush_host_read", "labkit/parallel/pipeline/executor.py",
            "        return torch.stack(losses).sum().detach().double() if losses \\",
            "        return torch.tensor(float(torch.stack(losses).sum()), dtype=torch.float64) if losses \\",
            "each pipeline flush's loss is read by the host (a GPU sync per flush)",
-           ("tests/test_host_syncs.py -k 1f1b",)),
+           ("tests/test_device_placement.py -k 1f1b",)),
+    Mutant("step_tensor_on_host", "labkit/train/step.py",
+           "                loss = loss_sum * scale",
+           "                loss = (loss_sum * torch.full((1,), scale)).sum()",
+           "a tensor of the step is made on the CPU, not on the rank's device",
+           ("tests/test_device_placement.py -k ulysses",)),
 ]
 
 

@@ -75,7 +75,7 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
         x, y = rank_batch(cfg, s, dp_index, setup.device, cp_index)
         stage, fwd = setup.stages[0], setup.forward[0]
         # the sum stays on the device: reading it here (``.item()``) would make the host wait
-        # for every queued kernel once per microbatch on a GPU (tests/test_host_syncs.py)
+        # for every queued kernel once per microbatch on a GPU (tests/test_device_placement.py)
         total = torch.zeros((), dtype=torch.float64, device=setup.device)
         for m in range(accum):
             setup.require_sync(m == accum - 1)

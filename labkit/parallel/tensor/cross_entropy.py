@@ -80,8 +80,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def _targets_in_vocab_cpu(t: torch.Tensor, bad: torch.Tensor, vocab_size: int) -> None:
     """Raises ``ValueError`` naming the first target outside ``[0, vocab_size)``: a host
-    read, so only for targets already on the host (the name ending ``_cpu`` says so to
-    ``tests/host_syncs.py``)."""
+    read, so only for targets already on the host."""
     if bool(bad.any()):
         raise ValueError(f"target {int(t[bad][0])} is outside the vocabulary [0, {vocab_size})")
 
