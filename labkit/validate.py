@@ -216,6 +216,12 @@ def _torch_schedule_rules(cfg) -> None:
                          "places the embedding and the head on rank 0, and PyTorch's "
                          "ZBVZeroBubble gets that shared weight's gradient wrong; untie the "
                          "model (ModelConfig(tie_embeddings=False)) or use impl='labkit'")
+    if cfg.schedule == "zb-v" and cfg.measure_memory:
+        # found by the composition matrix (tests/oracle): every rank raised
+        raise ValueError("impl='torch' with schedule='zb-v' and measure_memory=True: under "
+                         "torch's MemTracker (the memory-tracked step) ZBVZeroBubble's "
+                         "input-gradient pass (autograd.grad on a stage input) fails on every "
+                         "rank; set measure_memory=False or use impl='labkit'")
     if cfg.flushes != 1:
         raise ValueError(f"impl='torch' runs one pipeline flush per step, got "
                          f"{cfg.flushes} flushes ({cfg.accum_steps} microbatches of a step / "

@@ -3,12 +3,14 @@ model or parallelism (tests/oracle): an all-pairs covering set of the dimensions
 0-3, HSDP, tp ± sp, cp × method × zigzag, pp × schedule × virtual stages, ep, tied/untied,
 GQA, dense/top-1/top-2/capacity, fp32/bf16, checkpoint policies, impl, accumulation), each
 run on the cluster and checked on every rank: losses, first-step gradients before the
-optimizer, final parameters, routing counts and aux loss, FLOPs per data replica, and every
-axis's predicted bytes per collective against the bytes its traced calls moved.
+optimizer, final parameters, routing counts and aux loss, FLOPs per data replica, every
+axis's predicted bytes per collective against the bytes its traced calls moved, and each
+rank's measured model state (parameters, gradients, optimizer) against the job's prediction
+and the planner's (whose differences the job states in words, ``memory_planned["note"]``).
 ``validate`` accepting a config means the ranks must run it. Compositions that meet a
 diagnosed defect are strict xfails naming it (tests/oracle/matrix.py ``known_defects``).
-Layout invariance: the same global batch and seed give the same losses, gradients and
-total FLOPs in every layout. The longer random sweep is ``make sweep``."""
+Layout invariance: the same global batch and seed give the same losses, gradients,
+total FLOPs and total measured model state (replicas counted once) in every layout. The longer random sweep is ``make sweep``."""
 from __future__ import annotations
 
 import pytest
@@ -97,3 +99,57 @@ def test_layout_invariance_of_total_flops(layouts):
     """The FLOPs of a step summed over all ranks do not depend on the layout."""
     totals = {label(cfg): sum(m["flops_per_step"] for m in r.metrics) for cfg, r in layouts}
     assert len(set(totals.values())) == 1, totals
+
+
+def total_model_state(result, cfg) -> dict:
+    """Model-state bytes of the whole run by category, replicas counted once, from the
+    MEASURED state of every rank (``metrics["memory"]["model_state"]``).
+
+    The rule, per mesh axis, for category ``c`` (parameters, gradients, optimizer):
+
+    * ``dp_replicate`` (HSDP replicas) holds copies: only replica index 0 counts;
+    * ``dp_shard × cp`` (the ZeRO shard group): ZeRO-``z`` shards the optimizer state
+      (``z ≥ 1``), the gradients (``z ≥ 2``), the parameters (``z = 3``) — a sharded ``c``
+      counts on every shard rank, an unsharded one on index 0 only (the flat units'
+      padding to a multiple of ``K`` would not be model state: the layouts here pad none,
+      which the test checks by the job's own words for it); what ZeRO keeps outside its
+      flat units (``metrics["replicated_params"]``: a tied copy between pipeline stages) is
+      whole on every shard rank, so counts on index 0 only;
+    * ``tp`` splits the matrices: every tp rank counts, less ``(T − 1)`` copies of what each
+      tp rank holds whole (the norm weights, ``H`` each: two per block and the final one);
+    * ``pp`` partitions the layers: every stage counts, less the tied embedding's copy on
+      the last stage (``V·H``) when ``pp > 1`` and the embedding is tied;
+    * AdamW's step counters (4 bytes per tensor stepped: flat units change their number) are
+      bookkeeping, not model state: taken off the optimizer state.
+    """
+    mc, p, z = cfg.model_config, cfg.parallel, cfg.zero_stage
+    sharded = {"optimizer": z >= 1, "gradients": z >= 2, "parameters": z >= 3}
+    per = {"parameters": 4, "gradients": 4, "optimizer": 8}  # fp32 bytes per element
+    out = dict.fromkeys(per, 0)
+    for m in result.metrics:
+        coords, got = m["coords"], m["memory"]["model_state"]
+        if coords.get("dp_replicate", 0):
+            continue
+        first = not (coords.get("dp_shard", 0) or coords.get("cp", 0))
+        for c in per:
+            if sharded[c] or first:
+                out[c] += got[c] - (4 * m["optimizer_state_tensors"] if c == "optimizer" else 0)
+            if sharded[c] and not first:  # kept outside the flat units: whole on each
+                out[c] -= m["replicated_params"] * per[c]
+    norms = (2 * mc.n_layers + 1) * mc.d_model
+    tied = mc.vocab_size * mc.d_model if (mc.tie_embeddings and p.pp > 1) else 0
+    for c, b in per.items():
+        out[c] -= ((p.tp - 1) * norms + tied) * b
+    out["total"] = sum(out.values())
+    return out
+
+
+def test_layout_invariance_of_total_model_state(layouts):
+    """The measured model state of the whole run, replicas counted once
+    (:func:`total_model_state`), is the same in every layout: 16 bytes per parameter, fp32."""
+    assert not any("padded" in (m["memory_planned"]["note"] or "")
+                   for _, r in layouts for m in r.metrics)
+    totals = {label(cfg): total_model_state(r, cfg) for cfg, r in layouts}
+    n = layouts[0][1].metrics[0]["n_params"]
+    want = {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n, "total": 16 * n}
+    assert all(t == want for t in totals.values()), (want, totals)

@@ -165,6 +165,10 @@ def test_memory_tracked_step_is_left_out_of_the_bubble(cluster4):
     (dict(pp=4, microbatches=2, impl="torch"),
      r"Schedule1F1B needs microbatches >= pp: microbatches=2 < pp=4"),
     (dict(schedule="zb-v", impl="torch"), r"schedule='zb-v' and tie_embeddings=True"),
+    # the ranks raised (found by tests/test_matrix.py once it measured memory)
+    (dict(schedule="zb-v", impl="torch", measure_memory=True,
+          model=UNTIED),
+     r"schedule='zb-v' and measure_memory=True: under torch's MemTracker"),
 ])
 def test_bad_input_raises_before_launch(cluster4, changes, match):
     restarts = cluster4.restarts

@@ -305,6 +305,29 @@ MUTANTS = [
            "                loss = (loss_sum * torch.full((1,), scale)).sum()",
            "a tensor of the step is made on the CPU, not on the rank's device",
            ("tests/test_device_placement.py -k ulysses",)),
+
+    # ------------------------------------------------------------------ model state
+    Mutant("state_step_counters_dropped", "labkit/train/metrics.py",
+           '    out["optimizer"] += 4 * sum(len(g["params"]) for g in setup.opt.param_groups)',
+           '    out["optimizer"] += 0',
+           "the predicted optimizer state leaves out AdamW's step counters",
+           ("tests/test_matrix.py -k z1-dense-untied",)),
+    Mutant("state_fsdp2_root_sharded", "labkit/train/metrics.py",
+           "        out[\"parameters\"] += sum(fsdp2_shard_elements(p)[0] * _shards(p) for p in root) \\",
+           "        out[\"parameters\"] += 0 * sum(fsdp2_shard_elements(p)[0] for p in root) \\",
+           "FSDP2's unsharded root parameters are predicted sharded (the replicated/sharded mixup)",
+           ("tests/test_matrix.py -k z3-top2cap-gqa-torch",)),
+    Mutant("state_total_counts_replicas", "tests/test_matrix.py",
+           "            if sharded[c] or first:",
+           "            if True:",
+           "the layout-invariance rule counts state ZeRO does not shard on every data rank "
+           "(replicas counted more than once): the layouts must then disagree",
+           ("tests/test_matrix.py -k layout_invariance_of_total_model_state",)),
+    Mutant("tp_bf16_residual_counted_bf16", "labkit/train/metrics.py",
+           "    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs",
+           "    res = act",
+           "tp bytes under bf16 autocast counted all-bf16 (the residual side moves fp32)",
+           ("tests/test_matrix.py -k bf16-ckpt-every",)),
 ]
 
 

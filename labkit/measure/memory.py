@@ -101,7 +101,8 @@ _DEVICE_QUERY = torch.ops.prim.device.default
 
 def _make_tracker():
     from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import (_TOTAL_KEY, MemTracker, _MemRefType,
+                                                      _UpdateType)
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
@@ -178,6 +179,23 @@ def _make_tracker():
 
         def _pre_step(self, optimizer, args, kwargs) -> None:
             self._opt_new = []
+
+        def tag_gradients(self, model: nn.Module) -> None:
+            """Tag as gradients the tracked storages of ``model``'s ``.grad`` tensors.
+
+            MemTracker tags a gradient when autograd accumulates it (its parameter hooks);
+            a gradient assigned by hand (zero-bubble pipelines' deferred weight pass,
+            ``p.grad = dYᵀX``) would otherwise stay an activation or a temporary. Storages
+            made before the tracked step (DDP's bucket views) are not touched."""
+            for prm in model.parameters():
+                if prm.grad is None:
+                    continue
+                for st in get_untyped_storages(prm.grad):
+                    hit = self._WINFO.get(st)
+                    if hit is not None and hit[0].reftype != _MemRefType.GRAD:
+                        old = hit[0].reftype
+                        hit[0].reftype = _MemRefType.GRAD
+                        self._update_snap(_UpdateType.REF, hit[0], old_reftype=old)
 
         def __enter__(self):
             out = super().__enter__()
@@ -275,6 +293,7 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     timeline: list[tuple[str, dict[str, int]]] = []
 
     def mark(label: str) -> dict[str, int]:
+        mt.tag_gradients(model)
         snap = _settled(lambda: _categorize(mt.get_tracker_snapshot("current").get(dev)))
         timeline.append((str(label), snap))
         if hook is not None:

@@ -36,6 +36,7 @@ from .data import local_rows, rank_batch, tokens_per_sample
 from .experts import ep_predicted, recording, routing_summary
 from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
                       predicted_memory, run_steps, steady_step_time)
+from .planned import planned_state
 from .step import make_step
 
 __all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
@@ -103,6 +104,8 @@ def run(ctx, cfg: RunConfig) -> dict:
                "step_time_warmup": len(times) < 2,
                "precision": cfg.precision, "impl": cfg.impl,
                "memory_predicted": predicted_memory(setup),
+               # labkit.plan's figures for this rank, with the reasons they differ in words
+               "memory_planned": planned_state(setup),
                # Adam keeps a 4-byte step counter per parameter tensor (on the CPU)
                "optimizer_state_tensors": sum(len(g["params"]) for g in setup.opt.param_groups),
                "compiled_blocks": sum(getattr(b, "_compiled_call_impl", None) is not None

@@ -109,16 +109,70 @@ def predicted_memory(setup) -> dict:
     """Model-state bytes this rank should hold (:func:`labkit.plan.model_state_bytes`):
     flat units at the ZeRO stage over the ``K`` shards, counting the units' padding to a
     multiple of ``K`` elements (fp32 4/4/8 or mixed 2/2/12 bytes per parameter), plus any
-    parameters kept outside the units, replicated (4/4/8)."""
+    parameters kept outside the units, replicated (4/4/8) — or, under PyTorch's FSDP2
+    (``impl="torch"``, ZeRO 3), sharded by its own rule (:func:`fsdp2_shard_elements`) —
+    plus AdamW's step counter, one 4-byte scalar tensor per parameter tensor it steps
+    (torch keeps ``state["step"]`` as a tensor), which the memory tracker counts as
+    optimizer state."""
     cfg, mg = setup.cfg, setup.mg
-    plain = sum(p.numel() for p in setup.plain_params)
-    out = model_state_bytes(plain, 1, 0, mixed_precision=False)
+    out = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    one = model_state_bytes(1, 1, 0, mixed_precision=False)
+    for p in setup.plain_params:
+        padded, local = fsdp2_shard_elements(p)
+        out["parameters"] += padded * one["parameters"]
+        out["gradients"] += padded * one["gradients"]
+        out["optimizer"] += local * one["optimizer"]
+    if cfg.impl == "torch" and cfg.zero_stage == 3:
+        # FSDP2 keeps the root module's parameters (those outside the blocks it shards on
+        # their own: embedding, final norm, head) unsharded from forward to backward (the
+        # root's reshard_after_forward is False: backward would gather them again at once),
+        # so at its largest this rank holds their whole padded size too
+        root = [p for m in setup.stages.values() for n, p in m.named_parameters()
+                if not n.startswith("layers.")]
+        out["parameters"] += sum(fsdp2_shard_elements(p)[0] * _shards(p) for p in root) \
+            * one["parameters"]
     if setup.sharded:
         padded = sum(u.padded for w in setup.sharded for u in w.units)
         units = model_state_bytes(padded, mg.size("fsdp"), cfg.zero_stage,
                                   mixed_precision=cfg.precision == "bf16")
         out = {c: out[c] + units[c] for c in out}
-    return {c: int(v) for c, v in out.items()}
+    out["optimizer"] += 4 * sum(len(g["params"]) for g in setup.opt.param_groups)
+    out = {c: int(v) for c, v in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _shards(p) -> int:
+    """The ranks a DTensor parameter is sharded over (1 for a plain tensor)."""
+    placements = getattr(p, "placements", ())
+    return int(torch.tensor([p.device_mesh.size(d) for d, pl in enumerate(placements)
+                             if pl.is_shard()] or [1]).prod())
+
+
+def fsdp2_shard_elements(p) -> tuple:
+    """``(padded, local)`` elements of parameter ``p`` this rank holds: its whole
+    ``numel()`` twice for a plain tensor; for a DTensor that PyTorch's FSDP2
+    (``fully_shard``) sharded along dim 0 over ``K`` ranks, torch's rule
+    (``torch.distributed.fsdp._fully_shard._fsdp_param``): dim 0 is cut in ``torch.chunk``
+    pieces of ``⌈d₀/K⌉`` rows (the last ranks may get fewer, or none), each rank's parameter
+    lives in a buffer padded to ``⌈d₀/K⌉`` rows (so are its gradients, views into the
+    padded reduce-scatter output), while AdamW's moments (``zeros_like`` of the unpadded
+    shard) hold only the rows the rank owns."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return p.numel(), p.numel()
+    mesh, d0 = p.device_mesh, p.shape[0]
+    k, index = 1, 0
+    for dim, pl in enumerate(placements):
+        if pl.is_shard():
+            if pl.dim != 0:
+                raise ValueError(f"FSDP2 shards dim 0; this parameter is sharded on {pl.dim}")
+            index = index * mesh.size(dim) + mesh.get_local_rank(dim)
+            k *= mesh.size(dim)
+    rest = p.numel() // d0 if d0 else 0
+    chunk = -(-d0 // k)
+    rows = max(0, min(d0, (index + 1) * chunk) - index * chunk)
+    return chunk * rest, rows * rest
 
 
 def comm_by_axis(events, step: int, rank: int) -> dict:
@@ -219,68 +273,90 @@ def _tp_predicted(setup) -> dict:
     """Tensor-parallel bytes this rank sends per step, by collective (Shoeybi et al. 2019
     §3; Korthikanti et al. 2022 §4.2 with sequence parallelism), per microbatch:
 
-    * each block: two all-reduces of ``b·s·H`` forward and two backward, or with SP the
-      same volume as all-gathers and reduce-scatters
-      (:func:`labkit.parallel.tensor.measure.block_bytes_formula`), again for the forward a
-      recomputing checkpoint policy repeats; plus the all-reduce of the weight gradients held
-      whole on every tp rank (SP's norms; K/V when ``kv_heads < tp``);
+    * each block: two all-reduces of ``b·s·H`` forward (the row-parallel outputs) and two
+      backward (the column-parallel inputs' gradients), or with SP the same volume as
+      all-gathers (inputs forward, output gradients backward) and reduce-scatters (outputs
+      forward, input gradients backward); again for the forward a recomputing checkpoint
+      policy repeats; plus the all-reduce of the weight gradients held whole on every tp
+      rank (SP's norms; K/V when ``kv_heads < tp``);
     * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
       all-gathered back in backward); the head (last stage): its input's gradient
       all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
     * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
       fp32 (all-reduces).
 
-    ``s`` is the sequence this rank's attention sees (``S/cp``); activations are bf16 under
-    ``precision="bf16"``."""
+    ``s`` is the sequence this rank's attention sees (``S/cp``). Under ``precision="bf16"``
+    the two sides of a tp region differ. A matmul's output (the row-parallel partial sums,
+    and their gradients) is bf16 in both bf16 regimes. The residual side — the embedding's
+    output, the norms' outputs that enter the column-parallel matmuls, and those tensors'
+    gradients — is bf16 only where the weights are (ZeRO's bf16 flat units): under autocast
+    over fp32 weights (ZeRO 0, or one data rank) the embedding lookup and the norm are not
+    autocast ops, so they return fp32 and the residual stream stays fp32, as in one process
+    under autocast (the oracle's bf16 regime). Casting them to bf16 before the collective
+    would round the residual stream and sum the Q/K/V (gate/up) input gradients in bf16: the
+    run would no longer compute what single-process autocast computes. So those
+    collectives move fp32 there, and are counted so."""
     from ..parallel.tensor.measure import block_bytes_formula, block_weight_grad_bytes
 
     cfg = setup.cfg
     mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
     b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
-    act = 2 if cfg.precision == "bf16" else 4
-    wgt = 2 if (cfg.precision == "bf16" and setup.sharded) else 4
-    unit = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    act = 2 if cfg.precision == "bf16" else 4   # matmul outputs and their gradients
+    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs
+    wgt = res
+    u_act = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    u_res = (t - 1) / t * b * s * h * res
     ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
-    blk = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)
+    # forward: the two regions' outputs; backward: the two regions' input gradients
+    fwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)["forward"]
+    bwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=res)["backward"]
     if mc.n_experts:  # the experts stay whole on every tp rank: only attention is split
-        blk = {k: v / 2 for k, v in blk.items()}
+        fwd, bwd = fwd / 2, bwd / 2
     layers = sum(len(m.layers) for m in setup.stages.values())
     out: dict = {}
 
     def add(op: str, n: float) -> None:
         out[op] = out.get(op, 0.0) + n * cfg.accum_steps
 
-    if sp:
-        add("all_gather", layers * (blk["forward"] + blk["backward"]) / 2)
-        add("reduce_scatter", layers * (blk["forward"] + blk["backward"]) / 2)
+    if sp:  # per region: all-gather input (res) + reduce-scatter output (act) forward,
+        # all-gather output gradient (act) + reduce-scatter input gradient (res) backward
+        add("all_gather", layers * (fwd * res / act + bwd * act / res) / 2)
+        add("reduce_scatter", layers * (fwd + bwd) / 2)
     else:
-        add("all_reduce", layers * (blk["forward"] + blk["backward"]))
+        add("all_reduce", layers * (fwd + bwd))
     if cfg.checkpoint != "none":
         # torch's non-reentrant checkpoint stops recomputing once the last activation the
         # block's backward saved is back: the MLP's output collective is not repeated,
         # the attention's output and (SP) the two input all-gathers are
         if sp:
-            add("all_gather", layers * 2 * unit)
-            add("reduce_scatter", layers * unit)
+            add("all_gather", layers * 2 * u_res)
+            add("reduce_scatter", layers * u_act)
         else:
-            add("all_reduce", layers * 2 * unit)
+            add("all_reduce", layers * 2 * u_act)
     add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
                                                        mc.kv_heads, sequence_parallel=sp,
                                                        bytes_per_elem=wgt))
     for m in setup.stages.values():
         if m.is_first:
-            add("reduce_scatter", unit) if sp else add("all_reduce", 2 * unit)
+            add("reduce_scatter", u_res) if sp else add("all_reduce", 2 * u_res)
             if sp:
-                add("all_gather", unit)
+                add("all_gather", u_res)
         if m.is_last:
             if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too
-                add("all_gather", unit)
-                add("reduce_scatter", unit)
+                add("all_gather", u_res)
+                add("reduce_scatter", u_res)
                 add("all_reduce", ar(h * wgt))
             else:
-                add("all_reduce", 2 * unit)
+                add("all_reduce", 2 * u_res)
             add("all_reduce", ar(3 * b * s * 4))
     return {op: float(v) for op, v in out.items() if v}
+
+
+def _bf16_weights(setup) -> bool:
+    """The rank computes with bf16 weights: bf16 with ZeRO's flat units (more than one data
+    rank; :func:`labkit.train.data.bf16_parameters`); every other bf16 run autocasts over
+    fp32 weights."""
+    return setup.cfg.precision == "bf16" and bool(setup.sharded)
 
 
 def _cp_predicted(setup) -> dict:
@@ -305,17 +381,20 @@ def _cp_predicted(setup) -> dict:
 
 
 def _pp_predicted(setup) -> dict:
-    """Pipeline bytes this rank sends per step: one ``(b, S, H)`` boundary tensor (fp32, or
-    bf16 with ZeRO's bf16 weights) per cross-rank SEND_F/SEND_B of the schedule, per flush,
-    plus the tied-embedding exchange."""
+    """Pipeline bytes this rank sends per step: one ``(b, S/cp, H)`` boundary tensor (fp32,
+    or bf16 with ZeRO's bf16 weights; ``(b, S/(cp·tp), H)`` with sequence parallelism, whose
+    residual stream each tp rank holds a slice of) per cross-rank SEND_F/SEND_B of the
+    schedule, per flush, plus the tied-embedding exchange."""
     from ..parallel.pipeline.schedules import with_comms
 
     cfg, mg = setup.cfg, setup.mg
     mc = cfg.model_config
     # ZeRO's bf16 flat units hold bf16 weights, so the residual stream a stage hands on is
-    # bf16; under autocast over fp32 weights (ZeRO 0) it stays fp32
-    elem = 2 if cfg.precision == "bf16" and cfg.zero_stage >= 1 else 4
-    act = cfg.micro * (mc.seq_len // cfg.parallel.cp) * mc.d_model * elem
+    # bf16; under autocast over fp32 weights (ZeRO 0, or ZeRO over one data rank, which
+    # builds no flat units) it stays fp32
+    elem = 2 if _bf16_weights(setup) else 4
+    seq = mc.seq_len // cfg.parallel.cp // (cfg.parallel.tp if cfg.sequence_parallel else 1)
+    act = cfg.micro * seq * mc.d_model * elem
     sends = sum(1 for a in with_comms(setup.schedule).actions[mg.index("pp")]
                 if a.kind in ("SEND_F", "SEND_B"))
     out = {"send": float(sends * act * cfg.flushes)}

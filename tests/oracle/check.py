@@ -1,6 +1,8 @@
 """One composition run on the cluster, checked against the oracle: every rank's losses,
 first-step gradients (before the optimizer) and final parameters, the MoE routing counts
-and aux loss, and the FLOPs each data replica's ranks report.
+and aux loss, and the FLOPs each data replica's ranks report; and every prediction shown
+beside a measurement: bytes per axis and collective, model state per rank (the job's
+prediction, and the planner's or the job's words for why it differs).
 
 :func:`disagreements` returns readable lines, empty when everything agrees, so the CI test
 and the sweep (``benchmarks/matrix_sweep.py``) judge alike.
@@ -106,6 +108,7 @@ def disagreements(result, cfg) -> list:
         bad += _routing(result, cfg, ref)
     bad += _flops(result, cfg)
     bad += _bytes(result)
+    bad += _model_state(result)
     return bad
 
 
@@ -167,3 +170,29 @@ def _bytes(result) -> list:
                 bad.append(f"rank {m['rank']} bytes on {axis}: measured {got}, predicted {want}")
     return bad
 
+
+
+STATE = ("parameters", "gradients", "optimizer")
+
+
+def _model_state(result) -> list:
+    """On every rank whose memory was measured: the model state the tracker measured equals
+    the job's prediction, category by category, exactly; and the planner's parameters and
+    state for the rank (plus AdamW's step counters, which it leaves out) equal what the rank
+    holds exactly when the job's ``memory_planned["note"]`` is empty — a note (words for what
+    the plan does not model) is there for exactly the ranks where they differ."""
+    bad = []
+    for m in result.metrics:
+        if not m.get("memory"):
+            continue
+        got, pred, plan = m["memory"]["model_state"], m["memory_predicted"], m["memory_planned"]
+        if {c: got[c] for c in STATE} != {c: pred[c] for c in STATE}:
+            bad.append(f"rank {m['rank']} model state measured {got}, predicted {pred}")
+        held = {"rank_params": m["rank_params"], **{c: got[c] for c in STATE}}
+        planned = {k: plan[k] for k in held}
+        if plan["optimizer"] is not None:
+            planned["optimizer"] += plan["step_counters"]
+        if (planned == held) == bool(plan["note"]):
+            bad.append(f"rank {m['rank']} planner {planned} vs held {held} with note "
+                       f"{plan['note']!r}: a note must be there exactly when they differ")
+    return bad

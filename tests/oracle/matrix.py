@@ -67,7 +67,11 @@ def compose(choice: dict, steps: int = 2) -> RunConfig:
               micro_batch=max(1, local // c["accum"]), precision=c["precision"],
               checkpoint=c["checkpoint"], impl=c["impl"],
               adam_eps=1e-6,  # near-zero gradients: see RunConfig.adam_eps
-              return_grads=True, return_state=True, measure_memory=False)
+              return_grads=True, return_state=True,
+              # PyTorch's ZBVZeroBubble calls autograd.grad on a stage input, which torch's
+              # MemTracker (labkit.measure.memory) makes fail: validate refuses the memory
+              # step there, so the matrix turns it off
+              measure_memory=not (c["impl"] == "torch" and pp > 1 and c["schedule"] == "zb-v"))
     if c["checkpoint"] == "every" and pp == 1:
         kw["checkpoint_every"] = 2  # one segment of both blocks (a pipeline stage has one)
     if z >= 1:
@@ -185,10 +189,7 @@ def known_defects(cfg: RunConfig) -> list:
     """The diagnosed labkit defects a composition runs into, as ``(raises, reason)``:
     ``raises`` when the ranks raise, else the run disagrees with the oracle. Empty: it must
     agree."""
-    p = cfg.parallel
-    out = []
-    if cfg.precision == "bf16" and p.tp > 1 and (cfg.zero_stage == 0 or cfg.sequence_parallel):
-        out.append((False, "tensor-parallel bytes under bf16 (autocast at ZeRO 0, or sequence "
-                    "parallelism): the traced tp collectives move more than the prediction's "
-                    "all-bf16 count (e.g. 49,920 vs 33,536 B per rank): some run in fp32"))
-    return out
+    # none open: the last (tensor-parallel bytes under bf16 autocast, where the residual
+    # side of each tp region stays fp32) was a wrong prediction, fixed in
+    # labkit.train.metrics._tp_predicted
+    return []
