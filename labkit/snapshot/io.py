@@ -2,7 +2,10 @@
 overlap, and reports bytes, seconds and files.
 
 Both run outside the traced step (the tracer is paused): DCP's planning collectives and the
-ZeRO re-gather after a load are bookkeeping, not the step's traffic.
+ZeRO re-gather after a load are bookkeeping, not the step's traffic. DCP exchanges its plans
+with torch.distributed's object collectives over the job's group itself (the one place
+labkit lets a library call them: they carry plans, not tensors of the run); what moves the
+state is the file system, measured here as bytes per rank and file.
 """
 from __future__ import annotations
 
