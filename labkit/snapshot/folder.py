@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 __all__ = ["step_dir", "partial_dir", "LOCK", "MANIFEST", "latest", "resolve", "read_info",
            "check_lock", "take_lock", "release_lock", "check_resume", "check_files",
-           "model_fields", "publish"]
+           "model_fields", "publish", "fsync_dir"]
 
 LOCK = ".in-progress"
 MANIFEST = "labkit.json"
@@ -219,7 +219,8 @@ def publish(partial: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(d: Union[str, Path]) -> None:
+def fsync_dir(d: Union[str, Path]) -> None:
+    """Flush a folder's entries (a rename, new files) to disk where the OS allows it."""
     try:
         fd = os.open(str(d), os.O_RDONLY)
     except OSError:

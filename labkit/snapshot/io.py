@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -93,9 +92,9 @@ def save(ctx, setup, step: int) -> dict:
             info = {**folder.model_fields(cfg), "step": step, "layout": layout(cfg, ctx.world_size),
                     "files": files, "config": repr(cfg), "time": time.time()}
             (partial / folder.MANIFEST).write_text(json.dumps(info, indent=1))
-            folder._fsync_dir(partial)
+            folder.fsync_dir(partial)
             folder.publish(partial, final)
-            folder._fsync_dir(save_dir)
+            folder.fsync_dir(save_dir)
             folder.release_lock(save_dir)
         comm.barrier(ctx.group)
     return {"step": step, "dir": str(final), "file": mine if size else None,

@@ -20,16 +20,15 @@ storage, loading is in place: no full tensor is ever built.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..parallel.dp import unique_parameters
 from .pieces import Pieces, range_boxes
 
-__all__ = ["Slot", "slots", "state_dict", "init_optimizer_state", "after_load", "rng_key"]
+__all__ = ["Slot", "slots", "state_dict", "init_optimizer_state", "after_load", "rng_key",
+           "reads"]
 
 
 @dataclass
@@ -205,12 +204,6 @@ def after_load(setup, sd: dict, steps: dict, rank: int, world: int, same_layout:
         torch.set_rng_state(sd[rng_key(rank, world)])
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def reads(planner, reader) -> dict:
     """What this rank read: ``{file: bytes}`` from the storage items its load plan named
     (each item is read whole; DCP narrows it to the box afterwards) and the bytes its boxes
@@ -229,6 +222,3 @@ def reads(planner, reader) -> dict:
         files[info.relative_path] = files.get(info.relative_path, 0) + info.length
     return {"files": files, "elements_needed": needed}
 
-
-def file_of(path: Path) -> str:
-    return Path(path).name
