@@ -77,28 +77,42 @@ def save(ctx, setup, step: int) -> dict:
                 partial.mkdir()
             except (OSError, ValueError) as e:
                 err = e
-        if not _agree(ctx, err is None):
-            raise err if err is not None else ValueError(
-                f"save_dir={str(save_dir)!r}: rank 0 could not start the snapshot (see rank 0)")
-        sd, _ = state_dict(setup, slots(setup), ctx.rank, ctx.world_size, for_load=False)
-        writer = dcp.FileSystemWriter(str(partial))
-        dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=ctx.group)
-        mine = f"__{ctx.rank}_0.distcp"
-        size = (partial / mine).stat().st_size if (partial / mine).exists() else 0
-        comm.barrier(ctx.group)  # every file is complete before rank 0 renames the folder
-        if ctx.rank == 0:
-            files = {f.name: f.stat().st_size for f in partial.iterdir()
-                     if f.name.endswith(".distcp")}
-            info = {**folder.model_fields(cfg), "step": step, "layout": layout(cfg, ctx.world_size),
-                    "files": files, "config": repr(cfg), "time": time.time()}
-            (partial / folder.MANIFEST).write_text(json.dumps(info, indent=1))
-            folder.fsync_dir(partial)
-            folder.publish(partial, final)
-            folder.fsync_dir(save_dir)
-            folder.release_lock(save_dir)
-        comm.barrier(ctx.group)
+        try:
+            if not _agree(ctx, err is None):
+                raise err if err is not None else ValueError(
+                    f"save_dir={str(save_dir)!r}: rank 0 could not start the snapshot "
+                    "(see rank 0)")
+            mine, size = _write(ctx, setup, step, partial, final)
+        finally:
+            # a failed save leaves its .partial folder (never read) but not its lock, so the
+            # next run may write here (another run's lock is not ours to remove)
+            if ctx.rank == 0:
+                folder.release_lock(save_dir)
     return {"step": step, "dir": str(final), "file": mine if size else None,
             "bytes_written": size, "seconds": time.perf_counter() - t0}
+
+
+def _write(ctx, setup, step: int, partial: Path, final: Path) -> tuple:
+    """DCP writes every rank's file into ``partial``; rank 0 adds the manifest and renames
+    it to ``final``. Returns this rank's ``(file name, bytes)``."""
+    cfg = setup.cfg
+    sd, _ = state_dict(setup, slots(setup), ctx.rank, ctx.world_size, for_load=False)
+    writer = dcp.FileSystemWriter(str(partial))
+    dcp.save(sd, storage_writer=writer, planner=SavePlanner(), process_group=ctx.group)
+    mine = f"__{ctx.rank}_0.distcp"
+    size = (partial / mine).stat().st_size if (partial / mine).exists() else 0
+    comm.barrier(ctx.group)  # every file is complete before rank 0 renames the folder
+    if ctx.rank == 0:
+        files = {f.name: f.stat().st_size for f in partial.iterdir()
+                 if f.name.endswith(".distcp")}
+        info = {**folder.model_fields(cfg), "step": step, "layout": layout(cfg, ctx.world_size),
+                "files": files, "config": repr(cfg), "time": time.time()}
+        (partial / folder.MANIFEST).write_text(json.dumps(info, indent=1))
+        folder.fsync_dir(partial)
+        folder.publish(partial, final)
+        folder.fsync_dir(partial.parent)
+    comm.barrier(ctx.group)
+    return mine, size
 
 
 def load(ctx, setup, snap) -> tuple:
