@@ -13,9 +13,10 @@ the fp32 parameter and AdamW's two moments, wherever this rank holds them —
 
 plus AdamW's step count per parameter, the step, and each rank's RNG state. Every rank
 writes only its own boxes (DCP deduplicates replicas), and a rank of *any* other layout
-asks DCP for its own boxes: DCP reads the overlap of each saved chunk (Mohan et al., "DCP",
-PyTorch docs: *resharding* by global offsets). Because every box is a view of the rank's
-storage, loading is in place: no full tensor is ever built.
+asks DCP for its own boxes: DCP reads the overlap of each saved chunk ("load-time
+resharding", PyTorch's torch.distributed.checkpoint documentation). Because every box is a
+view of the rank's storage, loading is in place (as DCP requires): no full tensor is ever
+built.
 """
 from __future__ import annotations
 
