@@ -241,6 +241,15 @@ class RunConfig:
         timeout_s: seconds before a hung job is cancelled.
         return_state: every rank returns the full fp32 parameters by name.
         return_grads: every rank returns the first step's full gradients by name.
+        save_dir: folder for snapshots of the whole training state (:mod:`labkit.snapshot`:
+            parameters and AdamW state in their shards, step, RNG) written with
+            ``torch.distributed.checkpoint``; ``None`` saves nothing. Not activation
+            checkpointing (``checkpoint``).
+        save_every: with ``save_dir``, a snapshot after every ``save_every`` steps (``0``:
+            only after the last step, which is always saved).
+        resume: ``True`` continues from the latest complete snapshot in ``save_dir``; a
+            path, from that snapshot (or the latest in that folder). Any valid layout of
+            the same model loads it (resharded); ``steps`` still counts from the run's start.
     """
 
     model: ModelConfig | str = "tiny"
@@ -276,6 +285,9 @@ class RunConfig:
     timeout_s: float = 120.0
     return_state: bool = False
     return_grads: bool = False
+    save_dir: Optional[str] = None
+    save_every: int = 0
+    resume: bool | str = False
 
     # -- derived -------------------------------------------------------------------------
     @property

@@ -36,6 +36,7 @@ VALUES = {
     "cp_zigzag": False, "checkpoint": "full", "checkpoint_every": 2, "precision": "bf16",
     "compile": True, "impl": "torch", "measure_memory": False, "count_flops": False,
     "timeout_s": 5.0, "return_state": True, "return_grads": True,
+    "save_dir": "/nonexistent/labkit-snapshots", "save_every": 1, "resume": True,
 }
 #: where each field must take effect: (composition, extra fields)
 EFFECT = {
@@ -61,6 +62,9 @@ ELSEWHERE = {
     "find_unused": "tests/test_dp.py::test_unused_parameter_is_named_not_hung (the GPT "
                    "uses every parameter)",
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
+    "save_dir": "writes files, read back by tests/test_snapshot.py (the snapshot matrix)",
+    "save_every": "tests/test_snapshot.py::test_save_every_and_write_then_rename",
+    "resume": "tests/test_snapshot.py (resumed runs match the uninterrupted ones)",
 }
 CLOCK = {"step_time_s", "step_times", "mfu", "hfu", "peak_flops", "p2p_latency_s", "overlap",
          "reused"}  # what a warm rank took from its cache: the same run either way
