@@ -157,7 +157,31 @@ _CHECK_CALL = re.compile(r"""\bcheck\(\s*(["'])((?:\\.|(?!\1).)*)\1""", re.S)
 
 #: sentences the relation words flag that state no relation between values on screen:
 #: (notebook stem, start of the sentence) -> why
+TIMING = "a timing on a shared CPU: printed by a *reading* line, never asserted (benchmarks/)"
 NOT_ABOUT_VALUES_ON_SCREEN = {
+    ("00", "With `dp=4` each rank takes a quarter"): "a promise notebook 02's parity cells check",
+    ("00", "The last step ran under torch's `MemTracker`"): TIMING,
+    ("01", "Whether the ratio rises or falls"): TIMING,
+    ("02", "ZeRO (notebook 03) removes the replication"): "points to notebook 03, checked there",
+    ("03", "The last step runs under torch's `MemTracker`"): "describes the tool",
+    ("05", "The job below trains with a policy and counts FLOPs twice"): "describes the method",
+    ("05", "Each step time is the median"): "describes the method",
+    ("06", "Step 1 is read below"): "names the step read; the view's step is checked in §5",
+    ("06", "The usual TP bugs are far larger."): "tests/test_tensor_parallel.py plants them",
+    ("07", "FlashAttention never stores that matrix"): "the lecture's premise; the cell after "
+                                                      "checks the flat bytes per token",
+    ("07", "So the losses of both steps and every gradient must equal"): "a prediction; the "
+                                                                         "parity cell checks it",
+    ("08", "Check the core count printed above"): "names the lab machine; the summary line "
+                                                  "prints the cores the ranks got",
+    ("08", "Stage costs are not equal"): TIMING,
+    ("08", "Look at the F span column"): TIMING,
+    ("08", "As `M` grows these fixed costs weigh more"): TIMING,
+    ("09", "A larger capacity factor drops less"): "a knob to try in the view, not shown",
+    ("09", "With a capacity, parity also requires"): "a requirement; the parity cell checks it",
+    ("09", "The usual bugs leave errors orders of magnitude larger"): "tools/mutants.py "
+                                                                       "plants them",
+    ("10", "The check no formula gives"): "describes the method",
 }
 
 
