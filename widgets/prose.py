@@ -27,7 +27,8 @@ def check(claim: str, ok: bool, shown=None) -> None:
     Raises:
         AssertionError: ``ok`` is false: the prose no longer says what the screen shows.
     """
+    claim = " ".join(claim.split())   # the phrase as the reader sees it, one line
     if not ok:
         raise AssertionError(f"the prose says {claim!r}, but the values on screen disagree"
                              + ("" if shown is None else f": {shown!r}"))
-    print("✓ checked:", " ".join(claim.split()))
+    print("✓ checked:", claim)
