@@ -132,3 +132,41 @@ def test_a_trace_with_a_missing_step_is_refused(ring):
     with pytest.raises(ValueError, match="different numbers of forward steps"):
         context_frames(broken)
     assert len(context_frames(broken, "backward")) == 5
+
+
+def test_the_problem_stays_fixed_as_cp_moves(ring, cluster4):
+    """Moving cp splits the same sequence: S and the heads stay, and the title says them;
+    bytes per rank follow context parallelism at a fixed S (the ring's grow toward 3× the
+    whole K/V, Ulysses' fall as 1/cp), work per rank halves, and a re-run at the shown
+    settings reproduces the shown numbers."""
+    from labkit_widgets.context_view import ContextParallelView
+
+    S = ring.shape["seq_len"]
+    assert f"S = {S}" in ring.fig.layout.title.text and f"S = {S}" in ring.status.value
+    assert list(ring.cp.options) == [1, 2, 4]
+    first = ring.report["bytes"]
+    sent = lambda v: [b["forward"] + b["backward"] for b in v.report["bytes"]]  # noqa: E731
+    four = sent(ring)
+    ring.set(cp=2)
+    case = ring.result.config
+    assert (case.seq_len, case.n_heads, case.n_kv_heads) == (S, 4, 4)
+    two = sent(ring)
+    # ring: (3cp − 2) K/V blocks of 2·B·K·(S/cp)·D·4 bytes → cp=4 sends 10/8 of cp=2's
+    assert [4 * b for b in four] == [5 * b for b in two[:1] * 4]
+    work2 = ring.report["work"]
+    ring.set(cp=4)
+    assert ring.report["bytes"] == first                    # the same settings, the same numbers
+    assert sum(ring.report["work"]) == sum(work2)           # the same problem, split further
+    assert [2 * w for w in ring.report["work"]] == work2[:1] * 4
+    ring.set(method="ulysses", cp=2)
+    u2 = sent(ring)
+    ring.set(cp=4)
+    assert sent(ring)[0] < u2[0]                            # Ulysses: (cp−1)/cp² of the tensors
+    shown = ContextParallelView(cluster4, run=False).update(ring.result)
+    assert shown.cp.value == 4 and shown.method.value == "ulysses"
+    before = shown.report["bytes"]
+    shown.set(method="ring")
+    shown.set(method="ulysses")
+    assert shown.report["bytes"] == before
+    with pytest.raises(ValueError, match="cp=3 does not split S=512"):
+        ContextParallelView(None, cp=3)

@@ -56,7 +56,10 @@ def test_heatmap_is_the_routed_counts_and_frames_are_the_trace(runs):
     assert _rows(traffic) == v.frames[0]["matrix"]
     v.play.value = 5  # Play drives the frame slider and the right panel follows
     assert v.frame.value == 5 and _rows(traffic) == v.frames[5]["matrix"]
-    assert "6/8" in v.fig.layout.title.text and "dispatch (backward)" in v.fig.layout.title.text
+    # the title numbers the all-to-all as the slider does (0 … max), not 1-based
+    assert f"all-to-all {v.frame.value}/{v.frame.max}:" == "all-to-all 5/7:"
+    assert "all-to-all 5/7:" in v.fig.layout.title.text
+    assert "dispatch (backward)" in v.fig.layout.title.text and "5/7" in repr(v)
     v.layer.value = 1
     assert _rows(heat) == [k[1] for k in kept]
     v.step.value = 1

@@ -139,3 +139,151 @@ def test_a_notebook_opens_unmodified(path):
                                "name": "python3"}
     assert meta.language_info.name == "python"
     assert meta.language_info.pygments_lexer == "ipython3"
+
+
+# -- prose and screen agree --------------------------------------------------------------
+# A markdown sentence that states a relation between values on screen ("halves", "equal to the
+# prediction", "the view shows the last step") is quoted by a ``# PROSE_CHECK`` cell after it,
+# whose ``check(phrase, condition)`` (labkit_widgets.prose) nbval runs with every notebook.
+from labkit_widgets.prose import MARK as PROSE_MARK  # noqa: E402
+
+_RELATION = re.compile(
+    r"\b(larger|smaller|bigger|halves|halved|doubles|doubled|twice|quadruples|equals?|"
+    r"matches|the same as|exactly|higher|lower|more than|fewer|less than|grows|falls|drops|"
+    r"flat|the view (?:below |above )?shows|lights? up|last step|step \d+|byte for byte|"
+    r"to the byte)\b", re.I)
+_SENTENCE = re.compile(r"(?<=[.;!?])\s+|\n\s*\n")
+_CHECK_CALL = re.compile(r"""\bcheck\(\s*(["'])((?:\\.|(?!\1).)*)\1""", re.S)
+
+#: sentences the relation words flag that state no relation between values on screen:
+#: (notebook stem, start of the sentence) -> why
+TIMING = "a timing on a shared CPU: printed by a *reading* line, never asserted (benchmarks/)"
+NOT_ABOUT_VALUES_ON_SCREEN = {
+    ("00", "With `dp=4` each rank takes a quarter"): "a promise notebook 02's parity cells check",
+    ("00", "The last step ran under torch's `MemTracker`"): TIMING,
+    ("01", "Whether the ratio rises or falls"): TIMING,
+    ("02", "ZeRO (notebook 03) removes the replication"): "points to notebook 03, checked there",
+    ("03", "The last step runs under torch's `MemTracker`"): "describes the tool",
+    ("05", "The job below trains with a policy and counts FLOPs twice"): "describes the method",
+    ("05", "Each step time is the median"): "describes the method",
+    ("06", "Step 1 is read below"): "names the step read; the view's step is checked in §5",
+    ("06", "The usual TP bugs are far larger."): "tests/test_tensor_parallel.py plants them",
+    ("07", "FlashAttention never stores that matrix"): "the lecture's premise; the cell after "
+                                                      "checks the flat bytes per token",
+    ("07", "So the losses of both steps and every gradient must equal"): "a prediction; the "
+                                                                         "parity cell checks it",
+    ("08", "Check the core count printed above"): "names the lab machine; the summary line "
+                                                  "prints the cores the ranks got",
+    ("08", "Stage costs are not equal"): TIMING,
+    ("08", "Look at the F span column"): TIMING,
+    ("08", "As `M` grows these fixed costs weigh more"): TIMING,
+    ("09", "A larger capacity factor drops less"): "a knob to try in the view, not shown",
+    ("09", "With a capacity, parity also requires"): "a requirement; the parity cell checks it",
+    ("09", "The usual bugs leave errors orders of magnitude larger"): "tools/mutants.py "
+                                                                       "plants them",
+    ("10", "The check no formula gives"): "describes the method",
+}
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.replace("\\n", " ").split()).lower()
+
+
+def prose_checks(nb) -> list:
+    """``[(markdown index, [quoted phrases], code index)]`` for every ``# PROSE_CHECK`` cell;
+    the markdown is the nearest one above it."""
+    out, last_md = [], None
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "markdown":
+            last_md = i
+        elif c.source.startswith(PROSE_MARK):
+            out.append((last_md, [m.group(2) for m in _CHECK_CALL.finditer(c.source)], i))
+    return out
+
+
+def value_claims(nb) -> list:
+    """``[(markdown index, sentence)]``: the sentences stating a relation about what is on
+    screen: commentary right after a code cell, or a sentence pointing at a view or an output
+    ("above", "below", "view"). The notebook's opening cell and *Predict* questions are not
+    claims."""
+    found, before = [], None   # the cell before, check cells skipped
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code" and c.source.startswith(PROSE_MARK):
+            continue
+        after_code, before = before == "code", c.cell_type
+        if c.cell_type != "markdown" or i == 0:
+            continue
+        text = "\n".join(line for line in c.source.splitlines()
+                         if not line.lstrip().startswith("#"))   # headings name, not claim
+        for s in _SENTENCE.split(text):
+            if "predict" in s.lower() or s.lstrip().startswith("#") or "?" in s:
+                continue
+            if _RELATION.search(s) and (after_code or re.search(r"\b(above|below|view)\b", s)):
+                found.append((i, " ".join(s.split())))
+    return found
+
+
+def _exempt(stem: str, sentence: str) -> bool:
+    return any(s == stem and sentence.startswith(start)
+               for s, start in NOT_ABOUT_VALUES_ON_SCREEN)
+
+
+def unchecked_claims(nb, stem: str) -> list:
+    quoted: dict = {}
+    for md, phrases, _ in prose_checks(nb):
+        quoted.setdefault(md, []).extend(_norm(p) for p in phrases)
+    return [f"cell {i}: {s}" for i, s in value_claims(nb)
+            if not _exempt(stem, s) and not any(p in _norm(s) for p in quoted.get(i, []))]
+
+
+def test_the_claim_finder_flags_what_the_reader_found():
+    """The two sentences issue 25 found contradicted on screen are flagged, and a check
+    quoting them clears them."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"), nbformat.v4.new_code_cell("r = 1"),
+                nbformat.v4.new_markdown_cell(
+                    "Each ring now carries one sequence instead of two, so the `cp` traffic "
+                    "halves. The view below shows the run without the auxiliary loss, at its "
+                    "last step. *Predict:* which is larger?")]
+    assert [s for _, s in value_claims(nb)] == [
+        "Each ring now carries one sequence instead of two, so the `cp` traffic halves.",
+        "The view below shows the run without the auxiliary loss, at its last step."]
+    assert len(unchecked_claims(nb, "x")) == 2
+    nb.cells.append(nbformat.v4.new_code_cell(
+        PROSE_MARK + '\ncheck("the `cp` traffic halves", True)\n'
+        'check("the run without the auxiliary loss, at its last step", True)'))
+    assert unchecked_claims(nb, "x") == []
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_value_claim_is_checked(nb_path):
+    """Every sentence stating a relation between values on screen is quoted by a check cell
+    after it (before the next markdown), or listed as not about values on screen."""
+    nb = nbformat.read(nb_path, as_version=4)
+    bad = unchecked_claims(nb, nb_path.stem[:2])
+    assert not bad, ("prose states a relation no PROSE_CHECK cell asserts (quote it in "
+                     "check(...) after it, see labkit_widgets.prose):\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_checks_quote_the_markdown_above(nb_path):
+    """A check's phrase is verbatim in the markdown just above (so it checks that sentence),
+    and a check cell stores no output (nbval re-runs it; it prints only ✓ lines)."""
+    nb = nbformat.read(nb_path, as_version=4)
+    bad = []
+    for md, phrases, code in prose_checks(nb):
+        assert phrases, f"cell {code}: a PROSE_CHECK cell without check(...)"
+        assert not nb.cells[code].outputs, f"cell {code}: a PROSE_CHECK cell stores output"
+        assert "prose-check" in nb.cells[code].metadata.get("tags", []), code
+        text = _norm(nb.cells[md].source) if md is not None else ""
+        bad += [f"cell {code}: {p!r} is not in markdown cell {md}" for p in phrases
+                if _norm(p) not in text]
+    assert not bad, "\n".join(bad)
+
+
+def test_exemptions_name_real_sentences():
+    sentences = {(p.stem[:2], s) for p in NOTEBOOKS
+                 for _, s in value_claims(nbformat.read(p, as_version=4))}
+    stale = [k for k in NOT_ABOUT_VALUES_ON_SCREEN
+             if not any(stem == k[0] and s.startswith(k[1]) for stem, s in sentences)]
+    assert not stale, stale

@@ -91,12 +91,13 @@ def test_dispatch_and_combine_bytes_equal_the_formula(cells):  # claim C37
 
 
 def test_replayed_frames_are_the_step_in_order(cells):
-    out = _checked_output(cells, "replay.frames")
+    out = _checked_output(cells, "a2a_frames(capped[0.0].trace, 0)")
     frames = re.findall(r"layer (\d) (\w+)\s+\((\w+)\)", out)
     assert frames == [("0", "dispatch", "forward"), ("0", "combine", "forward"),
                       ("1", "dispatch", "forward"), ("1", "combine", "forward"),
                       ("1", "combine", "backward"), ("1", "dispatch", "backward"),
                       ("0", "combine", "backward"), ("0", "dispatch", "backward")]
+    assert "all-to-all 0: layer 0 dispatch" in out and "all-to-all 7:" in out  # as the slider
     assert "every row of every frame == the formula from the counts: True" in out
 
 

@@ -63,11 +63,25 @@ def _base_figure() -> go.Figure:
 class ContextParallelView(StaticFigure, W.VBox):
     """Controls + one ``LiveFigure`` replaying a context-parallel attention run.
 
+    The problem stays fixed while the controls move: every re-run attends the same
+    ``seq_len`` tokens with the same heads (``batch`` sequences, ``n_heads`` query and
+    ``n_kv_heads`` key/value heads of size ``head_dim``), so moving ``cp`` changes only how
+    the sequence is split, as context parallelism does. :meth:`update` takes the shape of
+    the run it shows, so a re-run at the shown settings reproduces its numbers. ``cp`` offers
+    the degrees that split that shape for every method: ``2·cp`` chunks dividing ``S``
+    (zigzag) and ``cp`` dividing both head counts (Ulysses). The title and the status line
+    name ``S`` and the heads.
+
     Args:
         cluster: a warm :class:`labkit.Cluster` (``None``: show runs passed to
             :meth:`update` only).
         method, cp, zigzag, causal: the first run (``cp`` defaults to the cluster's size).
         run: run at once (default: when a cluster is given).
+        seq_len, n_heads, n_kv_heads, head_dim, batch: the attention problem (global
+            shapes), fixed across re-runs; the defaults are notebook 07's §4 call.
+
+    Raises:
+        ValueError: a given ``cp`` that does not split the problem (or exceeds the cluster).
 
     Attributes:
         method, cp, zigzag, causal, phase, step, play: the controls (ipywidgets).
@@ -76,19 +90,28 @@ class ContextParallelView(StaticFigure, W.VBox):
     """
 
     def __init__(self, cluster=None, method: str = "ring", cp: Optional[int] = None,
-                 zigzag: bool = True, causal: bool = True, run: Optional[bool] = None):
+                 zigzag: bool = True, causal: bool = True, run: Optional[bool] = None,
+                 seq_len: int = 512, n_heads: int = 4, n_kv_heads: int = 4, head_dim: int = 16,
+                 batch: int = 1):
         super().__init__()
         self.cluster, self.result, self.report, self.frames = cluster, None, None, []
         self._quiet = False
+        self.shape = dict(batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                          seq_len=seq_len, head_dim=head_dim, seed=0)
         top = cluster.world_size if cluster is not None else 8
+        degrees = self._degrees(top)
+        if cp is not None and cp not in degrees:
+            raise ValueError(f"cp={cp} does not split S={seq_len}, {n_heads} heads, "
+                             f"{n_kv_heads} K/V heads on {top} ranks: choose one of {degrees}")
         self.method = W.Dropdown(options=list(METHODS), value=method, description="method",
                                  tooltip="how the ranks share K/V: all-gather, Ulysses "
                                          "(all-to-all) or ring",
                                  layout=W.Layout(width="200px"))
-        self.cp = W.IntSlider(value=cp or max(2, top), min=1, max=max(top, 2), description="cp",
-                              tooltip="ranks sharing the sequence (context-parallel degree)",
-                              continuous_update=False, layout=W.Layout(width="220px"),
-                              style={"description_width": "initial"})
+        self.cp = W.SelectionSlider(options=degrees, value=cp or degrees[-1], description="cp",
+                                    tooltip="ranks sharing the sequence (context-parallel "
+                                            "degree); the sequence and heads stay fixed",
+                                    continuous_update=False, layout=W.Layout(width="220px"),
+                                    style={"description_width": "initial"})
         self.zigzag = W.Checkbox(value=zigzag, description="zigzag", indent=False,
                                  tooltip="zigzag chunk order: every rank gets an early and a "
                                          "late chunk (balanced causal work)",
@@ -116,6 +139,18 @@ class ContextParallelView(StaticFigure, W.VBox):
         if run if run is not None else cluster is not None:
             self.rerun()
 
+    def _degrees(self, top: int) -> list:
+        """The cp degrees (at most ``top``) that split the fixed problem for every method."""
+        sh = self.shape
+        return [c for c in range(1, max(top, 1) + 1) if sh["seq_len"] % (2 * c) == 0
+                and sh["n_heads"] % c == 0 and sh["n_kv_heads"] % c == 0]
+
+    def problem(self) -> str:
+        """The fixed attention problem in words: ``"S = 512, 4 heads (4 K/V) of 16, B = 1"``."""
+        sh = self.shape
+        return (f"S = {sh['seq_len']}, {sh['n_heads']} heads ({sh['n_kv_heads']} K/V) of "
+                f"{sh['head_dim']}, B = {sh['batch']}")
+
     def set(self, **values) -> "ContextParallelView":
         """Set several of ``method``, ``cp``, ``zigzag``, ``causal`` with one re-run, then
         ``phase`` and ``step``."""
@@ -142,8 +177,7 @@ class ContextParallelView(StaticFigure, W.VBox):
             return
         cp = self.cp.value
         case = jobs.AttentionCase(method=self.method.value, cp=cp, zigzag=self.zigzag.value,
-                                  causal=self.causal.value, batch=1, n_heads=2 * cp,
-                                  n_kv_heads=cp, seq_len=8 * cp, head_dim=8)
+                                  causal=self.causal.value, **self.shape)
         self.status.value = S.status_html(f"running {case.method} on {cp} ranks …", "busy")
         try:
             result = jobs.run(self.cluster, case)
@@ -153,8 +187,21 @@ class ContextParallelView(StaticFigure, W.VBox):
         self.update(result)
 
     def update(self, result) -> "ContextParallelView":
-        """Show a ``RunResult`` of :func:`labkit.parallel.context.jobs.attention_job`."""
+        """Show a ``RunResult`` of :func:`labkit.parallel.context.jobs.attention_job`; its
+        shape becomes the fixed problem of later re-runs and the controls show its settings."""
         self.result, self.report = result, attention_report(result)
+        case = result.config
+        self.shape = dict(batch=case.batch, n_heads=case.n_heads, n_kv_heads=case.n_kv_heads,
+                          seq_len=case.seq_len, head_dim=case.head_dim, seed=case.seed)
+        self._quiet = True
+        try:
+            top = self.cluster.world_size if self.cluster is not None else 8
+            self.cp.options = sorted(set(self._degrees(top)) | {self.report["cp"]})
+            self.cp.value = self.report["cp"]
+            self.method.value, self.zigzag.value = case.method, case.zigzag
+            self.causal.value = case.causal
+        finally:
+            self._quiet = False
         self.status.value = S.status_html(self._summary(), "ok")
         self._load_frames()
         return self
@@ -177,7 +224,7 @@ class ContextParallelView(StaticFigure, W.VBox):
         exact = "= formula" if rep["bytes"] == rep["bytes_formula"] else "≠ formula!"
         work = "= closed form" if rep["work"] == rep["work_formula"] else "≠ closed form!"
         split = "zigzag" if rep["zigzag"] else "contiguous"
-        line = (f"{rep['method']} · cp={rep['cp']} · {split}"
+        line = (f"{rep['method']} · cp={rep['cp']} · {self.problem()} · {split}"
                 f" · {'causal' if rep['causal'] else 'no mask'} · sent per rank [{sent}] {exact}"
                 f" · work {work}, imbalance {rep['imbalance']:.3f}")
         if rep["overlap"]:
@@ -194,8 +241,8 @@ class ContextParallelView(StaticFigure, W.VBox):
         fig.data[1].update(fr["mask"])
         fig.data[2].update(fr["work"])
         fig.data[3].update(fr["formula"])
-        fig.update_layout(title_text=f"{case.method} · cp={cp} · {self.phase.value} · "
-                                     f"{fr['title']}",
+        fig.update_layout(title_text=f"{case.method} · cp={cp} · {self.problem()} · "
+                                     f"{self.phase.value}<br>{fr['title']}",
                           coloraxis=dict(colorscale=color_scale(cp), cmin=0, cmax=cp + 1,
                                          colorbar=dict(title="rank", tickvals=[
                                              r + 0.5 for r in range(cp + 1)],

@@ -303,7 +303,8 @@ class ExpertView(StaticFigure, W.VBox):
         if fr is None:
             return "no token all-to-all in this step's trace (ep=1: the experts are local)"
         micro = f" microbatch {fr['micro']}" if self.result.config.accum_steps > 1 else ""
-        return (f"all-to-all {self.frame.value + 1}/{len(self.frames)}: layer {fr['layer']}"
+        # i/last, as the slider reads (0 … last) and as the other views number their steps
+        return (f"all-to-all {self.frame.value}/{len(self.frames) - 1}: layer {fr['layer']}"
                 f"{micro} {fr['phase']} ({fr['pass']}), {S.fmt_bytes(fr['sent'])} between "
                 "ranks (rows send, columns receive)")
 
@@ -320,4 +321,4 @@ class ExpertView(StaticFigure, W.VBox):
         if self.result is None:
             return "ExpertView(no run)"
         return (f"ExpertView(step {self.step.value}/{self.step.max}, layer {self.layer.value}, "
-                f"all-to-all {self.frame.value + 1}/{len(self.frames)})")
+                f"all-to-all {self.frame.value}/{len(self.frames) - 1})")
