@@ -237,7 +237,7 @@ def test_explorer_defaults_to_the_whole_cluster():
 
 #: for each control: a non-default value, where it applies and where it does not (None:
 #: it always applies)
-MAPPING = {"dp": (2, {}, None), "micro_batch": (2, {}, None),
+MAPPING = {"model": ("tiny-moe", {}, None), "dp": (2, {}, None), "micro_batch": (2, {}, None),
            "zero_stage": (3, {"dp": 2}, None),
            "hsdp_replicas": (2, {"dp": 2, "zero_stage": 1}, {"zero_stage": 0}),
            "prefetch": (False, {"dp": 2, "zero_stage": 3}, {"zero_stage": 2}),
