@@ -518,6 +518,7 @@ def test_figures_say_what_they_show():
     assert [a.text for a in comm_fig.layout.annotations] == ["no communication at dp=1"]
     assert comm_fig.layout.xaxis.visible is False
     assert [a.text for a in bubble.layout.annotations] == ["no pipeline at pp=1"]
+    assert bubble.layout.showlegend is False  # no key for bars that are not there
     assert ex.figures["mfu"].data[0].mode == "gauge+number"  # no delta after one run
     ex.set(dp=2)
     assert not comm_fig.layout.annotations and comm_fig.layout.xaxis.visible
