@@ -1,5 +1,9 @@
 # labkit developer commands (GNU make).
-#   make lab    -- JupyterLab on http://127.0.0.1:8888 (loopback only), notebooks/ as root
+#   make lab    -- JupyterLab on http://127.0.0.1:8888 (loopback only), notebooks/ as root;
+#                  make lab PORT=8890 picks the port. A port in use: Jupyter says "The port
+#                  8888 is already in use, trying another port" and serves on the next free
+#                  one (8889, 8890, ...): open the URL it prints. JUPYTER_PORT_RETRIES=0
+#                  make lab fails instead.
 #   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
 #   make bench  -- run every benchmarks/*.py
 #   make sweep  -- random compositions against the independent oracle (N=40, SEED=0)
@@ -19,6 +23,8 @@ VENV     := .venv
 VPY      := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
+# make lab's port (Jupyter moves to the next free port when this one is taken)
+PORT     ?= 8888
 # nbval mode: --nbval-lax runs every cell (any exception fails) and compares outputs
 # only for cells marked `# NBVAL_CHECK_OUTPUT`; see docs/SETUP_NOTES.md for why.
 NBVAL    ?= --nbval-lax
@@ -29,6 +35,9 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 help:
 	@echo "make lab | test | bench | sweep | mutants | clean | distclean | .venv"
+	@echo "  make lab PORT=8890   JupyterLab on http://127.0.0.1:8890 (default PORT=8888); a port"
+	@echo "                       in use makes Jupyter take the next free one (8889, ...): open"
+	@echo "                       the URL it prints; JUPYTER_PORT_RETRIES=0 make lab fails instead"
 
 # ---------------------------------------------------------------- virtualenv
 .venv venv: $(STAMP)
@@ -52,7 +61,7 @@ $(LAB_OVERRIDES): | $(STAMP)
 	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' > $@
 
 lab: $(STAMP) $(LAB_OVERRIDES)
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks $(ALLOW_ROOT)
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser --notebook-dir=notebooks $(ALLOW_ROOT)
 
 # ---------------------------------------------------------------- test
 # Browser tests need $(CHROMIUM).  As root we apt-get it; otherwise we warn: the browser

@@ -16,6 +16,7 @@ _LAZY = {
     "JobCancelled": "labkit.result",
     "Trace": "labkit.trace",
     "Event": "labkit.trace",
+    "ConfigError": "labkit.validate",
     "RunConfig": "labkit.config",
     "ModelConfig": "labkit.config",
     "ParallelConfig": "labkit.config",

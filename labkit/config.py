@@ -386,7 +386,8 @@ class RunConfig:
         """Check that this job can run on ``world_size`` ranks; return ``self``.
 
         Raises:
-            ValueError: naming the field and the numbers (see :mod:`labkit.validate`).
+            labkit.ConfigError: a ``ValueError`` naming the field and the numbers (see
+                :mod:`labkit.validate`); a notebook shows its sentence without a traceback.
         """
         from .validate import validate_run
 

@@ -1,7 +1,8 @@
 """Every rule a :class:`~labkit.config.RunConfig` must satisfy, checked before launch.
 
-:func:`validate_run` raises ``ValueError`` naming the field and the numbers, in the caller,
-before any rank process is touched (DESIGN.md §3). The rules, in the order they are checked:
+:func:`validate_run` raises :class:`ConfigError` (a ``ValueError``) naming the field and the
+numbers, in the caller, before any rank process is touched (DESIGN.md §3). In a notebook the
+error shows as its sentence alone (see :class:`ConfigError`). The rules, in the order they are checked:
 
 1. **Fields**: types and ranges (positive degrees and batch sizes, ``lr > 0``, known
    names for modes, schedules, policies, precisions).
@@ -28,12 +29,30 @@ import math
 import os
 from typing import Optional
 
-__all__ = ["validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
+__all__ = ["ConfigError", "validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
 
 #: mirrors labkit.parallel.checkpoint.policy.POLICIES (kept here so validation needs no torch)
 CHECKPOINT_POLICIES = ("none", "full", "every", "selective")
 PRECISIONS = ("fp32", "bf16")
 CP_METHODS = ("ring", "ulysses", "allgather")
+
+
+class ConfigError(ValueError):
+    """A configuration labkit refuses before launch; the message names the field(s) and
+    the numbers. A ``ValueError``, so ``except ValueError`` catches it.
+
+    In IPython (a notebook cell, the ``ipython`` shell) it is shown as
+    ``ConfigError: <the sentence>`` with no traceback: the frames would be labkit's
+    validation code, which says nothing the sentence does not, and the learner's own line
+    is the one that holds the configuration. It is still an exception: the cell fails and
+    a run-all (or nbval) stops there. IPython asks an exception for ``_render_traceback_``
+    before formatting frames (``InteractiveShell.showtraceback``); a plain ``python``
+    interpreter ignores it and prints the usual traceback.
+    """
+
+    def _render_traceback_(self) -> list:
+        """The lines IPython shows instead of the traceback: the class name and message."""
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 def _int(cfg, name: str, low: int = 1) -> None:
@@ -70,8 +89,19 @@ def validate_run(cfg, world_size: Optional[int] = None) -> None:
     """Check ``cfg`` for a cluster of ``world_size`` ranks (``None``: any size).
 
     Raises:
-        ValueError: the first rule broken, naming the field(s) and the numbers.
+        ConfigError: the first rule broken, naming the field(s) and the numbers (every
+            rule's ``ValueError``, here or in the configs' own ``validate``, becomes one;
+            the original stays as ``__context__``).
     """
+    try:
+        _check_run(cfg, world_size)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_run(cfg, world_size: Optional[int]) -> None:
     _fields(cfg)
     mc = cfg.model_config
     p = cfg.parallel

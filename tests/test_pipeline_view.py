@@ -122,3 +122,30 @@ def test_a_refused_value_goes_back_and_the_title_names_what_is_shown():
     hovers = {d.hovertemplate for d in v.fig.data[:N_DATA]}  # every bar's times name the unit
     assert hovers == {"%{text}<br>starts at %{base:.2f} units, lasts %{x:.2f} units"
                       "<extra></extra>"}
+
+
+def test_a_run_far_longer_than_its_simulation_gets_its_own_time_axis():
+    """A run stretched by a busy machine (here 15x its simulation) would squeeze the
+    simulated panel into a sliver of a shared axis: each panel then has its own axis, fully
+    used, and its title says so; comparable lengths share one axis again."""
+    from labkit.parallel.pipeline.simulate import Span
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(schedule="1f1b", pp=4, microbatches=4)
+    sim = v.sim_spans
+    sim_end = max(sp.end for sp in sim)
+    for stretch, own in ((15.0, True), (1.2, False)):
+        v.spans = [Span(sp.rank, sp.action, sp.start * stretch, sp.end * stretch)
+                   for sp in sim]
+        v._draw()
+        lay = v.fig.layout
+        if own:
+            assert lay.xaxis.matches is None and lay.xaxis.showticklabels
+            assert tuple(lay.xaxis.range) == pytest.approx((0, sim_end * stretch * v._scale))
+            assert tuple(lay.xaxis2.range) == pytest.approx((0, sim_end * v._scale))
+            assert "its own time axis" in lay.annotations[0].text
+            assert "its own time axis" in lay.annotations[1].text
+        else:
+            assert lay.xaxis.matches == "x2" and lay.xaxis.showticklabels is False
+            assert tuple(lay.xaxis.range) == tuple(lay.xaxis2.range)
+            assert "own" not in lay.annotations[1].text

@@ -237,7 +237,7 @@ def test_explorer_defaults_to_the_whole_cluster():
 
 #: for each control: a non-default value, where it applies and where it does not (None:
 #: it always applies)
-MAPPING = {"dp": (2, {}, None), "micro_batch": (2, {}, None),
+MAPPING = {"model": ("tiny-moe", {}, None), "dp": (2, {}, None), "micro_batch": (2, {}, None),
            "zero_stage": (3, {"dp": 2}, None),
            "hsdp_replicas": (2, {"dp": 2, "zero_stage": 1}, {"zero_stage": 0}),
            "prefetch": (False, {"dp": 2, "zero_stage": 3}, {"zero_stage": 2}),
@@ -518,6 +518,7 @@ def test_figures_say_what_they_show():
     assert [a.text for a in comm_fig.layout.annotations] == ["no communication at dp=1"]
     assert comm_fig.layout.xaxis.visible is False
     assert [a.text for a in bubble.layout.annotations] == ["no pipeline at pp=1"]
+    assert bubble.layout.showlegend is False  # no key for bars that are not there
     assert ex.figures["mfu"].data[0].mode == "gauge+number"  # no delta after one run
     ex.set(dp=2)
     assert not comm_fig.layout.annotations and comm_fig.layout.xaxis.visible

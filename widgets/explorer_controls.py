@@ -3,7 +3,10 @@
 ``RunConfig.validate`` accepts from where the controls stand now.
 
 * :data:`KNOBS` — every control: its ``RunConfig`` field (``dp``/``tp``/``pp``/``cp``/``ep``
-  go to ``parallel``), its widget, label and candidate values.
+  go to ``parallel``), its widget, label and candidate values. The ``model`` control offers
+  the presets the job trains at interactive speed (:data:`RUN_MODELS`); ``ep`` is offered
+  only on a mixture-of-experts model (validate's reason is listed otherwise), and the
+  dataset follows the model's kind (digits for the ViT, text for the GPTs).
 * :func:`applies` — whether a knob takes effect under the other controls (prefetch only at
   ZeRO-3, the schedule only with ``pp > 1`` …). These mirror the composition rules of
   :mod:`labkit.validate`, which refuses a knob that would be ignored; a knob that does not
@@ -31,7 +34,7 @@ from labkit.config import RunConfig
 from . import _style as S
 
 __all__ = ["DEFAULTS", "Knob", "KNOBS", "NAMES", "AUTO", "ROWS", "applies", "compose", "check",
-           "availability", "candidates", "initial_values", "to_field", "to_control",
+           "availability", "candidates", "initial_values", "RUN_MODELS", "OPEN_LINES", "to_field", "to_control",
            "no_effect_reason", "label", "pairs", "make_widget", "unavailable_html"]
 
 #: the control value meaning the field's ``None``
@@ -40,6 +43,10 @@ AUTO = "auto"
 #: below 1 MiB are where the all-reduce count changes
 BUCKETS_MB = (0.001, 0.01, 0.1, 1.0, 25.0)
 _DEGREES = ("dp", "tp", "pp", "cp", "ep")
+#: model presets the explorer offers: the ones a warm CPU pool trains in well under a
+#: second a step (gpt2-124m runs too, minutes a step on CPU; the llama3 presets are for
+#: planning only, see labkit.config.COUNT_ONLY)
+RUN_MODELS = ("tiny", "tiny-moe", "small", "vit-digits")
 #: every field at its dataclass default: what labkit.validate calls "left alone" (it
 #: refuses a knob that would be ignored unless it is at this value)
 DEFAULTS = RunConfig()
@@ -81,11 +88,19 @@ def _schedules(_ws: int, _base) -> list:
     return list(SCHEDULES)
 
 
+def _models(_ws: int, _base) -> list:
+    return list(RUN_MODELS)
+
+
 def _policies(_ws: int, base) -> list:
     return ["none", "full", "selective"] + (["every"] if base.checkpoint == "every" else [])
 
 
 KNOBS: tuple = (
+    Knob("model", "lab model", "dropdown", _models,
+         "the model the ranks train: tiny (dense GPT), tiny-moe (4 experts a layer, the one "
+         "ep splits), small (a deeper GPT), vit-digits (a ViT on 8x8 digits, data "
+         "parallelism only)", "190px"),
     Knob("dp", "dp", "slider", _upto, "data-parallel degree: ranks that each hold a replica "
          "(or a shard, with ZeRO) and take 1/dp of the batch"),
     Knob("micro_batch", "micro-batch", "slider", _batch_divisors,
@@ -177,6 +192,8 @@ def compose(base: RunConfig, values: dict) -> tuple:
     fields = {k: to_field(k, v) if applies(k, values) else getattr(DEFAULTS, k)
               for k, v in values.items() if k not in _DEGREES}
     cfg = base.replace(**fields, **{k: values[k] for k in _DEGREES})
+    if cfg.dataset in ("text", "digits"):  # the data the model's kind reads
+        cfg = cfg.replace(dataset="digits" if cfg.model_config.kind == "vit" else "text")
     deep = deepen_for_pipeline(cfg)
     notes = []
     if deep is not cfg:
@@ -246,7 +263,8 @@ def candidates(knob: Knob, world_size: int, base: RunConfig, now) -> list:
 
 # --------------------------------------------------------------------------- widgets
 #: control rows: (group label, control names)
-ROWS = (("data", ("dp", "micro_batch", "zero_stage", "hsdp_replicas", "prefetch")),
+ROWS = (("model", ("model",)),
+        ("data", ("dp", "micro_batch", "zero_stage", "hsdp_replicas", "prefetch")),
         ("DDP", ("dp_mode", "bucket_mb")),
         ("pipeline", ("pp", "schedule", "microbatches", "virtual_stages")),
         ("compute", ("checkpoint", "precision")),
@@ -257,8 +275,12 @@ _BUTTON_WIDTH = {"zero_stage": "34px", "dp_mode": "60px", "checkpoint": "78px",
 
 
 def label(v) -> str:
-    """How a control shows the value ``v`` (``0.01``, ``1``, ``auto``, ``1f1b``)."""
-    return f"{v:g}" if isinstance(v, float) else str(v)
+    """How a control shows the value ``v`` (``0.01``, ``1``, ``auto``, ``1f1b``; a model
+    given as a ``ModelConfig`` by its name)."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    name = getattr(v, "name", None)  # a ModelConfig passed as base_config.model
+    return f"{name} (custom)" if isinstance(name, str) and not isinstance(v, str) else str(v)
 
 
 def pairs(values: list) -> list:
@@ -296,17 +318,27 @@ def _strip(why: str, name: str, v) -> str:
     return why
 
 
+#: at most this many reasons are listed open; more fold under a summary that counts them
+OPEN_LINES = 6
+
+
 def unavailable_html(avail: dict, cfg: RunConfig, world_size: int) -> str:
     """The note under the controls: per control, the values not offered with validate's
     reason (values with the same reason on one line), then the knobs greyed because they
-    have no effect in ``cfg``, with validate's reason; ``""`` when nothing is held back."""
+    have no effect in ``cfg``, with validate's reason; ``""`` when nothing is held back.
+
+    Every reason is in the page, none behind a scroll area: up to :data:`OPEN_LINES` are
+    listed open; a longer list folds under a ``<details>`` summary that counts them and
+    names the controls ("unavailable now: 14 values of dp, pp, tp, ep; 6 knobs greyed"),
+    one click away."""
     import html
 
-    lines = []
+    lines, held = [], []
     for knob in KNOBS:
         a = avail[knob.name]
         if not a["applies"] or not a["refused"]:
             continue
+        held.append((knob.name, len(a["refused"])))
         groups: dict = {}
         for v, why in a["refused"].items():
             groups.setdefault(_strip(why, knob.name, v), []).append(label(v))
@@ -317,8 +349,17 @@ def unavailable_html(avail: dict, cfg: RunConfig, world_size: int) -> str:
               for k in KNOBS if not avail[k.name]["applies"]]
     if not lines + greyed:
         return ""
+    n_values = sum(n for _name, n in held)
+    counts = []
+    if held:
+        counts.append(f"{n_values} value{'s' * (n_values != 1)} of "
+                      + ", ".join(name for name, _n in held))
+    if greyed:
+        counts.append(f"{len(greyed)} knob{'s' * (len(greyed) != 1)} greyed")
+    is_open = " open" if len(lines + greyed) <= OPEN_LINES else ""
     # one reason per line, the refused values first, then the knobs with no effect
-    return ("<details open class='labkit-unavailable' style='font-size:11px;color:#555;"
-            "max-height:calc(8 * 1.35em + 2px);overflow-y:auto;line-height:1.35'><summary>unavailable now, in "
-            "validate's words</summary><ul style='margin:2px 0;padding-left:18px'>"
+    return (f"<details{is_open} class='labkit-unavailable' style='font-size:11px;"
+            f"color:#555;line-height:1.35'><summary>unavailable now: {'; '.join(counts)} "
+            f"<span style='color:#888'>(validate's reasons{'' if is_open else ': click'})"
+            "</span></summary><ul style='margin:2px 0;padding-left:18px'>"
             + "".join(lines + greyed) + "</ul></details>")

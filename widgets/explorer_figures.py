@@ -303,7 +303,9 @@ def draw_mfu(fig, row: dict, prev_pct: Optional[float], note: str = "") -> None:
 # --------------------------------------------------------------------------- comm
 def comm_figure() -> go.Figure:
     """Grouped bars over (rank, axis and op): ``data[0]`` measured, ``data[1]`` the
-    formula (hatched)."""
+    formula (hatched). No legend: the title says which bar is which, and a legend below
+    the plot sat on the two-row "rank r" / "tp AG" axis labels as soon as a rank had three
+    or more bars (sequence or expert parallelism) and they turned sideways."""
     return go.Figure([
         go.Bar(name="measured (labkit.comm trace)", x=[[], []], y=[],
                marker_color=S.COMM_COLORS["all_reduce"],
@@ -313,7 +315,7 @@ def comm_figure() -> go.Figure:
                hovertemplate="%{x}: %{y:.4f} MiB/step formula<extra></extra>")],
         _base(WIDTHS["comm"], 350, "bytes per rank per step", barmode="group",
               yaxis_title="MiB",
-              xaxis=dict(tickfont_size=10), legend=dict(orientation="h", y=-0.25, x=0)))
+              xaxis=dict(tickfont_size=10), showlegend=False))
 
 
 def _rows(m: dict) -> list:

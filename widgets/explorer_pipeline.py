@@ -96,9 +96,11 @@ def draw_bubble(fig, pipe: Optional[dict]) -> None:
             tr.update(x=_NONE, y=[0.0])
         fig.data[2].base = [0.0]
         empty_note(fig, "no pipeline at pp=1")
+        fig.layout.showlegend = False  # no key for bars that are not there
         fig.layout.title.text = "pipeline bubble"
         return
     empty_note(fig, None)
+    fig.layout.showlegend = True
     s, rows = pipe["summary"], pipe["rows"]
     x = ["all ranks"] + [f"rank {r['global_rank']}" for r in rows]
     meas = [100 * s["bubble"]] + [100 * (r["idle_frac"] or 0.0) for r in rows]

@@ -30,7 +30,7 @@ from plotly.subplots import make_subplots
 from labkit.plan.layout import AXES, Layout
 
 from .mesh_summary import AXIS_ROLE, LayoutSummary, rank_of, summarize_layout
-from .mesh_view import _PALETTE
+from .mesh_roles import PALETTE as _PALETTE
 
 __all__ = ["PlannedMeshView", "pick"]
 

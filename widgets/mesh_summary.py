@@ -21,7 +21,7 @@ from labkit.plan.hardware import ClusterSpec, cluster_preset
 from labkit.plan.layout import AXES, Layout
 from labkit.plan.network import Placement, place
 
-from .mesh_view import AXIS_ROLE
+from .mesh_roles import AXIS_ROLE
 
 __all__ = ["AXIS_ROLE", "AxisSummary", "LayoutSummary", "summarize_layout", "rank_of"]
 

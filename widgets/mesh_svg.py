@@ -26,13 +26,12 @@ import html
 import re
 import secrets
 
-from .mesh_view import _PALETTE, AXIS_ROLE
+from .mesh_roles import AXES4, AXIS_ROLE
+from .mesh_roles import PALETTE as _PALETTE
 
 __all__ = ["AXES4", "CELL", "PITCH", "ROW", "LEFT", "TOP", "group_index", "hover_rules",
            "mesh_html", "new_uid"]
 
-#: the rank coordinates' order (Llama 3, Dubey et al. 2024 §3.3.2; claim C36)
-AXES4 = ("tp", "cp", "pp", "dp")
 #: a rank's square (px), the distance between neighbouring squares in a server (px) and
 #: between servers (px), the left margin for the "server s" labels (px), the top margin (px)
 CELL, PITCH, ROW, LEFT, TOP = 40, 50, 60, 76, 6

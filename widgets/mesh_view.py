@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from .mesh_planned import PlannedMeshView
+from .mesh_roles import AXES4, AXIS_ROLE
+from .mesh_roles import PALETTE as _PALETTE
+from .mesh_svg import mesh_html, new_uid
+
 __all__ = ["MeshView", "mesh_figure", "AXIS_ROLE", "MAX_RANKS"]
 
-#: which activation axis each parallelism splits (claim C7)
-AXIS_ROLE = {"pp": "layers", "dp": "batch", "cp": "sequence", "tp": "channels"}
 #: larger meshes are refused: one box per rank stops being readable
 MAX_RANKS = 512
-_PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2",
-            "#FF9DA6", "#9D755D", "#BAB0AC")
 
 
 def _coords(mesh, rank: int) -> list:
@@ -88,8 +89,6 @@ class MeshView:
         :mod:`labkit.plan.hardware` preset), drawn summarised: a
         :class:`~labkit_widgets.mesh_planned.PlannedMeshView` (see there; ``kwargs`` go to
         it). Raises ``ValueError`` as it does."""
-        from .mesh_planned import PlannedMeshView
-
         return PlannedMeshView(layout, cluster, axis, **kwargs)
 
     def html(self, axis: str | None = None, uid: str | None = None) -> str:
@@ -103,8 +102,6 @@ class MeshView:
         Raises:
             ValueError: an unknown axis, or a ``uid`` that is not a CSS identifier.
         """
-        from .mesh_svg import mesh_html, new_uid
-
         return mesh_html(self.mesh, self.axis if axis is None else axis, self.width,
                          new_uid() if uid is None else uid)
 
@@ -117,8 +114,6 @@ class MeshView:
         Each call makes an independent box with its own CSS scope. :attr:`figure` and
         :attr:`groups` keep the axis given at construction."""
         import ipywidgets as W
-
-        from .mesh_svg import AXES4, new_uid
 
         uid = new_uid()
         toggle = W.ToggleButtons(options=list(AXES4), value=self.axis,

@@ -153,6 +153,10 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
             f"{notes}</div>")
 
 
+#: below this ratio of their lengths, measured and simulated panels get their own time axes
+SHARED_AXIS_RATIO = 0.5
+
+
 def _base_figure() -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=("measured (trace)", "simulated on this machine"))
@@ -331,13 +335,20 @@ class PipelineView(StaticFigure, W.VBox):
     def _draw(self) -> None:
         cfg = self.shown or self.config()
         pp = cfg.parallel.pp
-        end = max((sp.end for sp in self.spans + self.sim_spans), default=0.0)
-        until = end * self.time.value / FRAMES
+        ends = [max((sp.end for sp in spans), default=0.0)
+                for spans in (self.spans, self.sim_spans)]
+        end = max(ends)
+        # one time axis while the two lengths are comparable; a run stretched by a busy
+        # machine (or a simulation far off) would squeeze the shorter panel into a sliver
+        # of the shared axis, so each panel then gets its own axis, and its title says so
+        own = min(ends) > 0 and min(ends) < SHARED_AXIS_RATIO * end
+        frac = self.time.value / FRAMES
         unit = "ms" if self._scale == 1e3 else "units"
         hover = (f"%{{text}}<br>starts at %{{base:.2f}} {unit}, lasts %{{x:.2f}} {unit}"
                  "<extra></extra>")
         with self.fig.batch_update():
             for panel, spans in enumerate((self.spans, self.sim_spans)):
+                until = (ends[panel] if own else end) * frac
                 cols = gantt_data(spans, pp, until, self._scale)
                 for i, kind in enumerate(("idle",) + KINDS):
                     c = cols[kind]
@@ -345,12 +356,21 @@ class PipelineView(StaticFigure, W.VBox):
                         x=c["x"], base=c["base"], y=c["y"], text=c["text"],
                         marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
-            self.fig.layout.annotations[1].text = ("simulated on this machine" if unit == "ms"
-                                                   else "simulated, unit costs")
-            self.fig.layout.annotations[0].text = ("measured (trace)" if self.spans else
-                                                   "measured: nothing ran (no cluster)")
+            sim = "simulated on this machine" if unit == "ms" else "simulated, unit costs"
+            meas = "measured (trace)" if self.spans else "measured: nothing ran (no cluster)"
+            lay = self.fig.layout
+            if own:
+                lengths = [f"{e * self._scale:.4g} {unit}" for e in ends]
+                meas += f": {lengths[0]}, its own time axis"
+                sim += f": {lengths[1]}, its own time axis"
+                lay.xaxis.update(matches=None, showticklabels=True,
+                                 range=[0, ends[0] * self._scale])
+                lay.xaxis2.range = [0, ends[1] * self._scale]
+            else:
+                lay.xaxis.update(matches="x2", showticklabels=False)
+                lay.xaxis.range = lay.xaxis2.range = [0, end * self._scale]
+            lay.annotations[1].text, lay.annotations[0].text = sim, meas
             self.fig.layout.yaxis.visible = bool(self.spans)
-            self.fig.layout.xaxis.range = self.fig.layout.xaxis2.range = [0, end * self._scale]
             m = cfg.flush_microbatches
             self.fig.layout.title.text = self._name()
             for i in range(len(PALETTE)):  # one colour key per microbatch

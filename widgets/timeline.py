@@ -1,13 +1,17 @@
 """``TimelineView``: what every rank did, when — compute and communication side by side.
 
 Each rank gets a row: compute spans (forward, backward, optimizer, other) on the row itself
-and communication spans (all-reduce, all-gather, send/recv …) on a thinner lane just below
-it, so a gradient all-reduce running under backward shows as two overlapping bars. Time the
+and collectives (all-reduce, all-gather, …) on a thinner lane just below it, so a gradient
+all-reduce running under backward shows as two overlapping bars. Point-to-point calls
+(a pipeline's send/recv) get a third lane, "p2p", when the run has any: an asynchronous send
+spans from its issue to its completion, often the whole step, and on the collectives' lane
+it covered the tensor-parallel all-gathers and reduce-scatters it overlapped. Time the
 compute thread sat *blocked* on a collective (trace events of category ``"wait"``, e.g.
 FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.zero.fsdp`) is drawn as a
 narrower dark "blocked" bar on top of the compute row: the part of the span not hidden.
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
-name, step, op, the algorithmic bytes it sent and received, and its duration. Consecutive
+name, step, op, axis and group (the group's ranks, or the peer of a send/recv), the
+algorithmic bytes it sent and received, and its duration. Consecutive
 calls in one communication lane alternate in shade, so twenty back-to-back all-reduces read
 as twenty bars, not one. A call that tagged where in the model it ran (tensor parallelism
 tags ``layer``, ``site`` and ``phase``) is labelled on its bar, ``L0``, ``L1`` … (or its
@@ -45,7 +49,10 @@ _ALT_OPACITY = 0.55
 
 #: the comm lane sits this far below its rank's compute lane (rank rows are 1 apart)
 COMM_OFFSET = 0.42
-_COMPUTE_WIDTH, _COMM_WIDTH, _BLOCKED_WIDTH = 0.4, 0.3, 0.26
+#: with point-to-point calls, their lane sits this far below the compute lane, and rank
+#: rows are :data:`P2P_PITCH` apart
+P2P_OFFSET, P2P_PITCH = 0.74, 1.4
+_COMPUTE_WIDTH, _COMM_WIDTH, _BLOCKED_WIDTH, _P2P_WIDTH = 0.4, 0.3, 0.26, 0.24
 #: top + bottom margin of the figure (px): the plot area, and the legend, get the rest
 _MARGINS = 104
 #: trace-event categories drawn as "blocked" (the compute thread waiting on a collective)
@@ -55,7 +62,7 @@ _COMPUTE_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{cu
                   "<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>%{fullData.name}"
                   "</extra>")
 _COMM_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]} · "
-               "op %{customdata[2]} · axis %{customdata[8]}%{hovertext}"
+               "op %{customdata[2]} · axis %{customdata[8]}<br>%{customdata[9]}%{hovertext}"
                "<br>sent %{customdata[3]} · "
                "recv %{customdata[4]}<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)"
                "<extra>%{fullData.name}</extra>")
@@ -79,7 +86,8 @@ def _empty_traces() -> list:
             name=fam if compute or blocked else fam.replace("_", "-"), orientation="h",
             legendgroup="compute" if blocked else kind,
             legendgrouptitle_text="compute" if blocked else kind,
-            width=_BLOCKED_WIDTH if blocked else _COMPUTE_WIDTH if compute else _COMM_WIDTH,
+            width=(_BLOCKED_WIDTH if blocked else _COMPUTE_WIDTH if compute
+                   else _P2P_WIDTH if fam == "p2p" else _COMM_WIDTH),
             marker=dict(color=color, line_width=0),
             hovertemplate=(_BLOCKED_HOVER if blocked else
                            _COMPUTE_HOVER if compute else _COMM_HOVER),
@@ -101,6 +109,15 @@ def _where(e) -> tuple:
     parts = ([f"layer {layer}"] if layer is not None else []) + \
         [str(a[k]) for k in ("site", "phase") if a.get(k)]
     return label, "<br>" + " · ".join(parts)
+
+
+def _group(e) -> str:
+    """A comm bar's group line: ``"group [0, 1]"`` (a collective's ranks), ``"to rank 2"`` /
+    ``"from rank 2"`` (a send's or a receive's peer), ``"group –"`` when not recorded."""
+    peers = list(e.peers or ())
+    if S.comm_family(e.op) == "p2p" and len(peers) == 1:
+        return f"{'from' if 'recv' in (e.op or '') else 'to'} rank {peers[0]}"
+    return f"group {peers}" if peers else "group –"
 
 
 def _family(e) -> tuple:
@@ -131,11 +148,15 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
     Pure data: no widget is touched, so it is cheap to test.
     """
     ranks = trace.ranks
-    row = {r: i for i, r in enumerate(ranks)}
     index = {fam: i for i, fam in enumerate(_FAMILIES)}
     cols = [{"x": [], "y": [], "base": [], "customdata": []} for _ in _FAMILIES]
     drawn = [e for e in trace.events if e.cat != MARK]
     events = drawn if step is None else [e for e in drawn if e.step == step]
+    # a p2p lane when the run has point-to-point calls (any step: the rows stay put when
+    # the step selector moves)
+    p2p = any(_family(e) == ("comm", "p2p") for e in drawn)
+    pitch = P2P_PITCH if p2p else 1.0
+    row = {r: round(i * pitch, 6) for i, r in enumerate(ranks)}
     # longest first inside a trace, so nested regions (layers.1.backward in backward) and
     # short collectives draw on top of the spans that contain them
     for e in sorted(events, key=lambda e: -e.duration):
@@ -144,7 +165,8 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
         start_ms, dur_ms = (e.start - trace.t0) * 1e3, max(e.duration, 0.0) * 1e3
         col["x"].append(dur_ms)
         col["base"].append(start_ms)
-        col["y"].append(row[e.rank] + (COMM_OFFSET if fam[0] == "comm" else 0.0))
+        col["y"].append(round(row[e.rank] + (P2P_OFFSET if fam == ("comm", "p2p") else
+                                             COMM_OFFSET if fam[0] == "comm" else 0.0), 6))
         if fam[0] == "comm":
             label, where = _where(e)
             col.setdefault("text", []).append(label)
@@ -156,7 +178,7 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
             extra = [e.op or "–", e.axis or "–"]
         col["customdata"].append([e.name, e.step, extra[0], S.fmt_bytes(e.bytes_sent),
                                   S.fmt_bytes(e.bytes_recv), dur_ms, start_ms, e.rank,
-                                  extra[1]])
+                                  extra[1], _group(e) if fam[0] == "comm" else ""])
     for (kind, _fam), c in zip(_FAMILIES, cols):
         c["showlegend"] = bool(c["x"])
         if kind == "comm":
@@ -164,14 +186,16 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
             c.setdefault("text", [])  # an emptied lane drops the labels it showed before
             c.setdefault("hovertext", [])
     tickvals, ticktext = [], []
-    for r, i in row.items():
-        tickvals += [i, i + COMM_OFFSET]
-        ticktext += [f"rank {r}", "comm"]
+    for r, y in row.items():
+        tickvals += [round(y + d, 6) for d in (0.0, COMM_OFFSET) + ((P2P_OFFSET,) if p2p else ())]
+        ticktext += [f"rank {r}", "comm"] + (["p2p"] if p2p else [])
     flagged = trace.instrumented_steps()
+    last = (P2P_OFFSET + _P2P_WIDTH / 2 + 0.1) if p2p else COMM_OFFSET + 0.4
     layout = {"yaxis.tickvals": tickvals, "yaxis.ticktext": ticktext,
-              "yaxis.range": [len(ranks) - 1 + COMM_OFFSET + 0.4, -0.5] if ranks else [1, -1],
+              "yaxis.range": [row[ranks[-1]] + last, -0.5] if ranks else [1, -1],
               "title.text": _title(events, ranks, trace, step, flagged),
-              "height": max(140 + 70 * max(len(ranks), 1), _MARGINS + _legend_height(cols)),
+              "height": max(140 + round(70 * pitch) * max(len(ranks), 1),
+                            _MARGINS + _legend_height(cols)),
               "shapes": [], "annotations": [], "xaxis.autorange": True}
     if events and step is not None:  # the step fills the width
         lo = (min(e.start for e in events) - trace.t0) * 1e3

@@ -1,5 +1,6 @@
-"""One notebook that builds every view of every notebook: the notebooks' own view cells,
-with the cells they need, cut from each notebook, in one kernel on one warm cluster.
+"""One notebook that builds every view of every notebook: the notebooks' own view cells
+(a labkit view, or a plotly figure the notebook draws itself), with the cells they need,
+cut from each notebook, in one kernel on one warm cluster.
 
 Running each notebook whole in the browser takes minutes apiece (their parity checks and
 sweeps); the layout of a view depends on the view's code and on the arguments and data the
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import nbformat
 
-#: a cell that displays a labkit view: a ``…View(`` or ``Explorer(`` call
-VIEW_CALL = re.compile(r"\b(?:[A-Z]\w*View|Explorer)\(")
+#: a cell that displays a view: a labkit ``…View(`` or ``Explorer(`` call, or a plotly
+#: figure the notebook builds (``go.Figure(``, ``make_subplots(``)
+VIEW_CALL = re.compile(r"\b(?:[A-Z]\w*View|Explorer)\(|\bgo\.Figure\(|\bmake_subplots\(")
 #: the warm pool every notebook's four-rank cluster becomes
 POOL = "_gallery_pool"
 _CLUSTER4 = re.compile(r"\blk\.Cluster\(\s*(?:world_size\s*=\s*)?4\s*\)")

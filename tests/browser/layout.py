@@ -14,7 +14,17 @@ outputs: ``{"cell", "output", "kind", "detail", "explorer"}`` where kind is
 * ``"clipped text"`` — a plotly text element (tick label, title, legend entry) extends past
   its figure;
 * ``"legend scrolls"`` — a plotly legend taller than its figure, shown with a scrollbar;
-* ``"empty figure"`` — a plotly figure that drew no traces.
+* ``"empty figure"`` — a plotly figure that drew no traces;
+* ``"squeezed data"`` — the traces on a linear or log axis (with the reference lines and
+  bands drawn on it as shapes) span under :data:`SQUEEZE` of its range (an annotation or a
+  fixed range stretched the axis);
+* ``"annotation outside plot"`` — an annotation placed in data coordinates whose drawn box
+  leaves its subplot's plot area (along the axes it is placed on);
+* ``"label under legend"`` — a tick label, axis title, title or annotation that the legend
+  box covers;
+* ``"hidden scroll"`` — an element of an output that clips or scrolls its content
+  (``overflow`` hidden, auto or scroll) and holds more than it shows
+  (``scrollHeight > clientHeight``).
 
 ``explorer`` is true for outputs that hold the explorer (its history table), so a test can
 report those separately. ``open_sidebar(page)`` opens the file browser, as a new user
@@ -23,11 +33,110 @@ Outputs inside a widget (a figure's own output area) count as part of the cell's
 """
 from __future__ import annotations
 
-_JS_PROBLEMS = r"""() => {
+#: the least fraction of an axis's range that its traces' data must span
+SQUEEZE = 0.3
+
+_JS_PROBLEMS = r"""(squeeze) => {
   const out = [];
   const name = el => el.tagName.toLowerCase() + (el.className && el.className.baseVal === undefined
       ? '.' + String(el.className).trim().split(/\s+/).slice(0, 2).join('.') : '');
   const canvas = document.createElement('canvas').getContext('2d');
+  const title = gd => String(((gd._fullLayout || {}).title || {}).text || '(untitled)')
+      .replace(/<[^>]+>/g, ' ').slice(0, 50);
+  const arr = v => v == null ? [] : ArrayBuffer.isView(v) ? Array.from(v)
+      : Array.isArray(v) ? v : [v];
+  const overlap = (a, b) => Math.max(0, Math.min(a.right, b.right) - Math.max(a.left, b.left))
+      * Math.max(0, Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top));
+  const plotChecks = (gd, add) => {
+    const fl = gd._fullLayout;
+    if (!fl || !gd._fullData) return;
+    const axes = Object.keys(fl).filter(k => /^[xy]axis\d*$/.test(k)).map(k => fl[k]);
+    // data squeezed into a fraction of its axis
+    for (const ax of axes) {
+      if (!ax.visible || !['linear', 'log'].includes(ax.type) || !ax.range) continue;
+      const letter = ax._id[0];
+      let lo = Infinity, hi = -Infinity, n = 0;
+      for (const t of gd._fullData) {
+        if (t.visible !== true || !['scatter', 'scattergl', 'bar'].includes(t.type)) continue;
+        if ((letter === 'x' ? t.xaxis : t.yaxis) !== ax._id) continue;
+        let vals = arr(t[letter]);
+        if (t.type === 'bar' && letter === (t.orientation === 'h' ? 'x' : 'y')) {
+          const base = t.base, out = [];  // a bar spans base .. base + value
+          vals.forEach((v, i) => {
+            if (v == null || !isFinite(+v)) return;
+            const b = base == null ? 0 : +(arr(base).length > 1 ? arr(base)[i] : arr(base)[0]);
+            out.push(b, b + +v);
+          });
+          vals = out;
+        }
+        for (let v of vals) {
+          if (v == null || v === '' || !isFinite(+v)) continue;
+          v = +v;
+          if (ax.type === 'log') { if (v <= 0) continue; v = Math.log10(v); }
+          lo = Math.min(lo, v); hi = Math.max(hi, v); n++;
+        }
+      }
+      // a reference line or band the figure draws on this axis (a capacity, a bound) is
+      // content too: an axis ranged to show it is not stretched by nothing
+      for (const sh of (fl.shapes || [])) {
+        if (sh.visible === false || (letter === 'x' ? sh.xref : sh.yref) !== ax._id) continue;
+        for (let v of [sh[letter + '0'], sh[letter + '1']]) {
+          if (v == null || !isFinite(+v)) continue;
+          v = +v;
+          if (ax.type === 'log') { if (v <= 0) continue; v = Math.log10(v); }
+          lo = Math.min(lo, v); hi = Math.max(hi, v);
+        }
+      }
+      const r = ax.range.map(Number), span = Math.abs(r[1] - r[0]);
+      if (n < 2 || !(hi > lo) || !(span > 0)) continue;
+      const frac = (hi - lo) / span;
+      if (frac < squeeze)
+        add('squeezed data', `"${title(gd)}": the data on ${ax._name} spans `
+            + `${Math.round(100 * frac)} % of its range (${ax.type} ${lo.toPrecision(3)}..`
+            + `${hi.toPrecision(3)} in ${r[0].toPrecision(3)}..${r[1].toPrecision(3)})`);
+    }
+    // an annotation in data coordinates drawn outside its subplot's plot area
+    const svg = gd.querySelector('.main-svg').getBoundingClientRect();
+    (fl.annotations || []).forEach((a, i) => {
+      if (a.visible === false) return;
+      const g = gd.querySelector(`.annotation[data-index="${i}"]`);
+      if (!g) return;
+      const r = g.getBoundingClientRect();
+      if (!r.width) return;
+      const bad = [];
+      for (const [ref, letter] of [[a.xref, 'x'], [a.yref, 'y']]) {
+        if (!ref || ref === 'paper' || / domain$/.test(ref)) continue;
+        const ax = fl[ref[0] + 'axis' + ref.slice(1)];
+        if (!ax || ax._offset == null) continue;
+        const p0 = (letter === 'x' ? svg.left : svg.top) + ax._offset, p1 = p0 + ax._length;
+        const [s0, s1] = letter === 'x' ? [r.left, r.right] : [r.top, r.bottom];
+        if (s0 < p0 - 2 || s1 > p1 + 2) bad.push(letter);
+      }
+      if (bad.length)
+        add('annotation outside plot', `"${title(gd)}": annotation "${String(a.text)
+            .replace(/<[^>]+>/g, ' ').slice(0, 40)}" leaves the plot area along ${bad.join(', ')}`);
+    });
+    // a label under the legend
+    const leg = gd.querySelector('.legend .bg');
+    if (leg && fl.showlegend !== false) {
+      const lr = leg.getBoundingClientRect();
+      if (lr.width && lr.height) {
+        const labels = gd.querySelectorAll('.xtick text, .ytick text, .xtick2 text, '
+            + '.g-xtitle text, .g-ytitle text, .g-gtitle text, .annotation-text, '
+            + '[class*="tick"] text');
+        for (const t of labels) {
+          if (t.closest('.legend')) continue;
+          const tr = t.getBoundingClientRect();
+          const txt = (t.textContent || '').trim();
+          if (!txt || !tr.width) continue;
+          if (overlap(tr, lr) > 4) {
+            add('label under legend', `"${title(gd)}": the legend covers "${txt.slice(0, 40)}"`);
+            break;
+          }
+        }
+      }
+    }
+  };
   const cells = Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell'));
   cells.forEach((cell, ci) => {
     const kids = cell.querySelectorAll('.jp-OutputArea-child');
@@ -90,7 +199,9 @@ _JS_PROBLEMS = r"""() => {
           add('wrapped line', `${rows} rows for ${lines.length} lines; longest (${longest.length} chars): ${longest.slice(0, 60)}…`);
         }
       }
-      for (const gd of o.querySelectorAll('.js-plotly-plot')) {
+      // a figure output is itself the plot element; a widget's figures sit inside it
+      for (const gd of [o, ...o.querySelectorAll('.js-plotly-plot')]) {
+        if (!gd.classList.contains('js-plotly-plot')) continue;
         if (!(gd._fullData && gd._fullData.length)) add('empty figure', 'a figure drew no traces');
         const svg = gd.querySelector('.main-svg');
         if (!svg) continue;
@@ -107,6 +218,16 @@ _JS_PROBLEMS = r"""() => {
           const r = bar.getBoundingClientRect();
           if (r.height > 0 && r.width > 0) add('legend scrolls', 'the legend has a scrollbar');
         }
+        plotChecks(gd, add);
+      }
+      for (const el of o.querySelectorAll('*')) {
+        if (el.closest('.js-plotly-plot')) continue;  // plotly: its legend is checked above
+        if (el.clientHeight === 0) continue;
+        const cs = getComputedStyle(el);
+        if (!['auto', 'scroll', 'hidden'].includes(cs.overflowY)) continue;
+        if (el.scrollHeight > el.clientHeight + 2)
+          add('hidden scroll', `${name(el)} shows ${el.clientHeight} of ${el.scrollHeight} px `
+              + `(overflow-y ${cs.overflowY}): "${(el.innerText || '').trim().slice(0, 50)}…"`);
       }
     });
   });
@@ -127,9 +248,9 @@ def open_sidebar(page) -> None:
     page.wait_for_timeout(500)  # the notebook panel re-lays out
 
 
-def layout_problems(page) -> list:
+def layout_problems(page, squeeze: float = SQUEEZE) -> list:
     """Every layout problem in the current notebook's outputs (see the module docstring)."""
-    return page.evaluate(_JS_PROBLEMS)
+    return page.evaluate(_JS_PROBLEMS, squeeze)
 
 
 _JS_DRAWN = ("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"

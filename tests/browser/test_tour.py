@@ -86,7 +86,7 @@ def test_tour_explorer_dp_and_pp_in_the_browser(jupyter_server, browser_page, ar
     open_notebook(page, jupyter_server, "00_tour.ipynb", timeout=180)
     run_all(page, timeout=500)
     assert slider_value(page, "dp") == "4" and slider_value(page, "pp") == "1"
-    note = page.locator(".labkit-unavailable").first.inner_text()
+    note = page.locator(".labkit-unavailable").first.text_content()  # folded or open
     assert "pp=2" in note and "8 ranks" in note and "world_size=4" in note  # validate's words
     # the first run drawn: one all-reduce bar per rank, memory bars for the four ranks
     comm = wait_titled_plot(page, COMM, lambda p: len(_ranks(p)) == 4, timeout=240)
