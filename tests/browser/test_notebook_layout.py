@@ -66,10 +66,8 @@ _JS_EXEC = """async (code) => {
 REPORTED_ONLY = {"wrapped line"}
 #: problems in a notebook's own figure code, left to that notebook's fix (issue 25); each
 #: (notebook, kind, a words of the detail). Remove an entry once its notebook is fixed.
-KNOWN = (
-    # §9: add_vline(annotation_text=...) on a log axis puts the label at 10^8
-    ("06_tensor_parallel.ipynb", "squeezed data", "tensor parallelism against the server"),
-)
+#: (notebook, kind, title) of a finding accepted for now, each with its reason; empty: none
+KNOWN: tuple = ()
 
 
 @pytest.fixture(scope="module")
