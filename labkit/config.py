@@ -241,6 +241,11 @@ class RunConfig:
         timeout_s: seconds before a hung job is cancelled.
         return_state: every rank returns the full fp32 parameters by name.
         return_grads: every rank returns the first step's full gradients by name.
+        noise_scale: measure the gradient noise scale ``B_simple`` (the critical batch
+            size) from each rank's local gradient before the data-parallel reduction and
+            the reduced one after it (McCandlish et al. 2018, A.1); per step in
+            ``metrics["noise_scale"]`` (:mod:`labkit.train.noise_scale`). Needs dp > 1 at
+            zero_stage 0 with impl='labkit', tp = pp = cp = 1 and a dense model.
     """
 
     model: ModelConfig | str = "tiny"
@@ -276,6 +281,7 @@ class RunConfig:
     timeout_s: float = 120.0
     return_state: bool = False
     return_grads: bool = False
+    noise_scale: bool = False
 
     # -- derived -------------------------------------------------------------------------
     @property

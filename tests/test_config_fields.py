@@ -36,6 +36,7 @@ VALUES = {
     "cp_zigzag": False, "checkpoint": "full", "checkpoint_every": 2, "precision": "bf16",
     "compile": True, "impl": "torch", "measure_memory": False, "count_flops": False,
     "timeout_s": 5.0, "return_state": True, "return_grads": True,
+    "noise_scale": True,
 }
 #: where each field must take effect: (composition, extra fields)
 EFFECT = {
@@ -52,6 +53,7 @@ EFFECT = {
     "precision": ("dp2", {}), "compile": ("dp1", {}), "impl": ("dp2", {}),
     "measure_memory": ("dp1", {}), "count_flops": ("dp1", {}), "return_state": ("dp1", {}),
     "return_grads": ("dp1", {}),
+    "noise_scale": ("dp2", {}),
 }
 #: fields whose effect a run's result cannot show, and the test that shows it
 ELSEWHERE = {

@@ -1,0 +1,59 @@
+"""What measuring the gradient noise scale costs a data-parallel step (claim C40).
+
+``noise_scale=True`` adds two squared gradient norms per step on every rank (one pass over
+the local gradients before the reduction, one over the reduced ones after it: float64
+sums on the device, no host read) and one untraced all-reduce after training
+(:mod:`labkit.train.noise_scale`). Same model, batch and mesh with it off and on,
+alternating A B A B on one warm cluster; each run reports the median of its steady steps
+(max over ranks); the table shows the median over runs. Prints
+``RESULT noise_scale_overhead_pct <pct>`` (worst setting).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+REPS = 5
+STEPS = 6
+SETTINGS = [("tiny", 2, "ddp"), ("small", 2, "ddp"), ("small", 4, "ddp"), ("small", 4, "naive")]
+
+
+def main() -> int:
+    import labkit
+    from labkit import jobs
+    from labkit.config import RunConfig
+
+    rows, worst = [], 0.0
+    with labkit.Cluster(world_size=4, backend="gloo", device="cpu") as cluster:
+        for model, dp, mode in SETTINGS:
+            base = RunConfig(model=model, steps=STEPS, global_batch=8, measure_memory=False,
+                             count_flops=False, dp_mode=mode).replace(dp=dp)
+            cfgs = {False: base, True: base.replace(noise_scale=True)}
+            for cfg in cfgs.values():  # warm-up
+                cluster.run(jobs.train, cfg.replace(steps=2))
+            times = {k: [] for k in cfgs}
+            for i in range(REPS):
+                for k in ((False, True) if i % 2 == 0 else (True, False)):
+                    r = cluster.run(jobs.train, cfgs[k])
+                    times[k].append(max(x["step_time_s"] for x in r.metrics))
+            off, on = statistics.median(times[False]), statistics.median(times[True])
+            pct = 100 * (on / off - 1)
+            worst = max(worst, pct)
+            rows.append((model, dp, mode, r.metrics[0]["n_params"], off, on, pct))
+    print(f"global batch 8, {STEPS} steps x {REPS} runs each, gloo on CPU")
+    print(f"{'model':>6}{'dp':>4}{'mode':>7}{'params':>10}{'off ms':>9}{'on ms':>9}{'overhead':>10}")
+    for model, dp, mode, n, off, on, pct in rows:
+        print(f"{model:>6}{dp:>4}{mode:>7}{n:>10}{1e3 * off:>9.2f}{1e3 * on:>9.2f}{pct:>9.1f}%")
+    print(f"(load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores: a shared machine's "
+          "timings move by several percent run to run)")
+    print(f"RESULT noise_scale_overhead_pct {worst:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
