@@ -245,7 +245,7 @@ class RunConfig:
             size) from each rank's local gradient before the data-parallel reduction and
             the reduced one after it (McCandlish et al. 2018, A.1); per step in
             ``metrics["noise_scale"]`` (:mod:`labkit.train.noise_scale`). Needs dp > 1 at
-            zero_stage 0 with impl='labkit', tp = pp = cp = 1 and a dense model.
+            zero_stage 0 or 1 (no HSDP) with impl='labkit', tp = pp = cp = 1 and a dense model.
     """
 
     model: ModelConfig | str = "tiny"

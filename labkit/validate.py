@@ -235,9 +235,12 @@ def _noise_scale(cfg, mc) -> None:
     if p.dp < 2:
         why = (f"it compares each data rank's local gradient with the all-reduced one, and "
                f"dp={p.dp} gives one batch size only")
-    elif cfg.zero_stage != 0:
-        why = (f"zero_stage={cfg.zero_stage} reduces into sharded flat units; measured at "
-               "zero_stage=0 only")
+    elif cfg.zero_stage >= 2:
+        why = (f"zero_stage={cfg.zero_stage} drops each unit's full local gradient once its "
+               "reduce-scatter completes inside backward; measured at zero_stage 0 and 1")
+    elif cfg.hsdp_replicas > 1:
+        why = (f"hsdp_replicas={cfg.hsdp_replicas} reduces over two groups; measured with one "
+               "shard group over all data ranks")
     elif cfg.impl != "labkit":
         why = "PyTorch's DDP reduces inside backward, so no local gradient is left to read"
     elif p.tp > 1 or p.pp > 1 or p.cp > 1:

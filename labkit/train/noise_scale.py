@@ -20,10 +20,19 @@ every rank holds the ``B_big = global_batch`` gradient. One squared norm of each
 kept on the device (no host read inside the step), and one untraced all-reduce after
 training averages the ranks' ``|G_small|²`` (each rank's is one sample of the estimator).
 
-Supported: ZeRO 0 with labkit's own data parallelism (``dp_mode`` ``"ddp"`` or
-``"naive"``): until ``finish_gradient_sync`` copies the reduced buckets back, every
-``p.grad`` still holds the rank's local accumulation. Every other composition is refused
-before launch (:func:`labkit.validate.validate_run`).
+Supported, with labkit's own data parallelism:
+
+* ZeRO 0 (``dp_mode`` ``"ddp"`` or ``"naive"``): until ``finish_gradient_sync`` copies the
+  reduced buckets back, every ``p.grad`` still holds the rank's local accumulation; after
+  it, every ``p.grad`` is the whole reduced gradient.
+* ZeRO 1: each flat unit's ``flat.grad`` is the rank's full local accumulation until
+  ``finish_gradient_sync`` writes the reduced shard into this rank's chunk of it. The
+  reduced squared norm is then a sum of shard norms: this rank's chunks (padding is zero)
+  per step, summed over the shard group by the same untraced all-reduce after training.
+
+Every other composition is refused before launch (:func:`labkit.validate.validate_run`):
+ZeRO 2 drops a unit's full local gradient as soon as its reduce-scatter completes inside
+backward (and with several microbatches the local accumulation never exists at all).
 """
 from __future__ import annotations
 
@@ -101,34 +110,47 @@ class NoiseScaleMeter:
         self.dp = cfg.parallel.dp
         self.b_small, self.b_big = cfg.local_batch, cfg.global_batch
         self.device, self.group = setup.device, setup.mg.group("dp")
+        # ZeRO 1's flat units hold their parameters' gradients; the rest are plain tensors
+        self.units = [u for w in setup.sharded for u in w.units]
+        self.wrapper_of = {id(u): w for w in setup.sharded for u in w.units}
+        inside = {id(p) for w in setup.sharded for _, p in unique_parameters(w.module)}
         seen: set = set()
         self.params = []
         for m in setup.stages.values():
             for _, p in unique_parameters(m):
-                if id(p) not in seen:
+                if id(p) not in seen and id(p) not in inside:
                     seen.add(id(p))
                     self.params.append(p)
         self.small: list = []
         self.big: list = []
+        self.big_shards: list = []  # ZeRO 1: this rank's chunks only, summed over ranks later
 
     def before_sync(self) -> None:
         # the local gradient is of Σ local token losses / global tokens = |G_small|/dp
-        self.small.append(_sq_norm(self.params, self.device) * self.dp ** 2)
+        local = _sq_norm(self.params + [u.flat for u in self.units], self.device)
+        self.small.append(local * self.dp ** 2)
 
     def after_sync(self) -> None:
         self.big.append(_sq_norm(self.params, self.device))
+        shards = torch.zeros((), dtype=torch.float64, device=self.device)
+        for u in self.units:
+            shards += torch.linalg.vector_norm(self.wrapper_of[id(u)]._step_grad(u),
+                                               dtype=torch.float64).square()
+        self.big_shards.append(shards)
 
     def metrics(self, ctx) -> dict:
         own = torch.stack(self.small).cpu()
-        big = torch.stack(self.big).cpu()
-        mean = own.clone()
+        sums = torch.stack([own, torch.stack(self.big_shards).cpu()])
         # bookkeeping after training, not the step's traffic: untraced, as the losses are
         enabled, ctx.tracer.enabled = ctx.tracer.enabled, False
         try:
-            comm.all_reduce(mean, "sum", self.group)
+            comm.all_reduce(sums, "sum", self.group)
         finally:
             ctx.tracer.enabled = enabled
-        mean /= self.dp
+        mean = sums[0] / self.dp
+        # replicated gradients once, ZeRO 1's shards summed over the ranks (without HSDP
+        # the shard group is the whole data group)
+        big = torch.stack(self.big).cpu() + sums[1]
         grad_sq, trace_sigma = estimates(mean, big, self.b_small, self.b_big)
         raw = (trace_sigma / grad_sq).tolist()
         return {"b_small": self.b_small, "b_big": self.b_big, "g_small_sq": own.tolist(),
