@@ -101,8 +101,8 @@ class NoiseScaleMeter:
     ``metrics(ctx)`` (collective over every rank, untraced) returns ``{"b_small",
     "b_big", "g_small_sq" (this rank's, per step), "g_small_sq_mean" (over the data
     ranks), "g_big_sq", "grad_sq", "trace_sigma" (A.1's estimates), "b_simple" (smoothed,
-    per step), "b_simple_raw" (per step, unsmoothed)}``; squared norms in (nats/token)²
-    per parameter², batch sizes and ``B_simple`` in samples.
+    per step), "b_simple_raw" (per step, unsmoothed)}``; squared norms are of the gradient of
+    the mean token loss (nats) over all parameters, batch sizes and ``B_simple`` in samples.
     """
 
     def __init__(self, setup):
