@@ -24,12 +24,37 @@ STEPS = 6
 SETTINGS = [("tiny", 2, "ddp"), ("small", 2, "ddp"), ("small", 4, "ddp"), ("small", 4, "naive")]
 
 
+def norm_pass_s(model: str, reps: int = 50) -> float:
+    """Seconds for one step's two squared-norm passes over ``model``'s gradients (what
+    ``NoiseScaleMeter`` adds to a rank's step), median of ``reps``, in this process."""
+    import time
+
+    import torch
+
+    from labkit.config import preset
+    from labkit.models import build_model
+    from labkit.parallel.dp import unique_parameters
+    from labkit.train.noise_scale import _sq_norm
+
+    torch.set_num_threads(1)  # as one rank of a CPU cluster; more threads on 2 cores thrash
+    params = [p for _, p in unique_parameters(build_model(preset(model)))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        _sq_norm(params, "cpu").item()
+        _sq_norm(params, "cpu").item()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def main() -> int:
     import labkit
     from labkit import jobs
     from labkit.config import RunConfig
 
-    rows, worst = [], 0.0
+    rows, worst = [], float("-inf")
     with labkit.Cluster(world_size=4, backend="gloo", device="cpu") as cluster:
         for model, dp, mode in SETTINGS:
             base = RunConfig(model=model, steps=STEPS, global_batch=8, measure_memory=False,
@@ -56,6 +81,9 @@ def main() -> int:
     print("median/fastest: step time with noise_scale over without, minus 1")
     print(f"(load avg {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores: a shared machine's "
           "timings move by several percent run to run)")
+    for model in ("tiny", "small"):
+        print(f"{model}: the two norm passes alone, one process: {1e3 * norm_pass_s(model):.3f} ms "
+              "per step")
     print(f"RESULT noise_scale_overhead_pct {worst:.1f}")
     return 0
 
