@@ -250,6 +250,11 @@ class RunConfig:
         resume: ``True`` continues from the latest complete snapshot in ``save_dir``; a
             path, from that snapshot (or the latest in that folder). Any valid layout of
             the same model loads it (resharded); ``steps`` still counts from the run's start.
+        noise_scale: measure the gradient noise scale ``B_simple`` (the critical batch
+            size) from each rank's local gradient before the data-parallel reduction and
+            the reduced one after it (McCandlish et al. 2018, A.1); per step in
+            ``metrics["noise_scale"]`` (:mod:`labkit.train.noise_scale`). Needs dp > 1 at
+            zero_stage 0 or 1 (no HSDP) with impl='labkit', tp = pp = cp = 1 and a dense model.
     """
 
     model: ModelConfig | str = "tiny"
@@ -288,6 +293,7 @@ class RunConfig:
     save_dir: Optional[str] = None
     save_every: int = 0
     resume: bool | str = False
+    noise_scale: bool = False
 
     # -- derived -------------------------------------------------------------------------
     @property

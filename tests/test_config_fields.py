@@ -37,6 +37,7 @@ VALUES = {
     "compile": True, "impl": "torch", "measure_memory": False, "count_flops": False,
     "timeout_s": 5.0, "return_state": True, "return_grads": True,
     "save_dir": "/nonexistent/labkit-snapshots", "save_every": 1, "resume": True,
+    "noise_scale": True,
 }
 #: where each field must take effect: (composition, extra fields)
 EFFECT = {
@@ -53,6 +54,7 @@ EFFECT = {
     "precision": ("dp2", {}), "compile": ("dp1", {}), "impl": ("dp2", {}),
     "measure_memory": ("dp1", {}), "count_flops": ("dp1", {}), "return_state": ("dp1", {}),
     "return_grads": ("dp1", {}),
+    "noise_scale": ("dp2", {}),
 }
 #: fields whose effect a run's result cannot show, and the test that shows it
 ELSEWHERE = {

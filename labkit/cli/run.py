@@ -133,6 +133,8 @@ NOT_FLAGS = {
     "return_state": "the parity tests' full parameters by name: not a report, and every "
                     "rank would send the whole model to rank 0",
     "return_grads": "the parity tests' first-step gradients by name: as return_state",
+    "noise_scale": "a per-step series (B_simple) read from the job's metrics or notebook 02, "
+                   "not a line of the run report",
 }
 
 #: flags that shape the output, not the run

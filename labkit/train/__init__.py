@@ -37,6 +37,7 @@ from .experts import ep_predicted, recording, routing_summary
 from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
                       predicted_memory, run_steps, steady_step_time)
 from .planned import planned_state
+from .noise_scale import NoiseScaleMeter
 from .step import make_step
 
 __all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
@@ -69,8 +70,9 @@ def run(ctx, cfg: RunConfig) -> dict:
 
         executor, meter = make_executor(setup)
     out: dict = {}
+    noise = NoiseScaleMeter(setup) if cfg.noise_scale else None
     step = make_step(setup, executor, on_synced=_grab_grads(setup, out, ctx.tracer) if cfg.return_grads
-                     else None)
+                     else None, noise=noise)
     if meter is not None:
         from .pipeline import meter_untracked_steps
 
@@ -117,6 +119,8 @@ def run(ctx, cfg: RunConfig) -> dict:
                "reused": list(setup.reused), "first_step": start}
     if snapshots:
         metrics["snapshot"] = snapshots
+    if noise is not None:
+        metrics["noise_scale"] = noise.metrics(ctx)
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))

@@ -38,11 +38,13 @@ def _loss_sum(stage, out, y):
     return torch.nn.functional.cross_entropy(out.float(), y, reduction="sum")  # the ViT
 
 
-def make_step(setup: RankSetup, executor=None, on_synced=None):
+def make_step(setup: RankSetup, executor=None, on_synced=None, noise=None):
     """``step(s, mark) -> loss`` for :func:`labkit.train.run_steps`: this rank's share of
     step ``s``'s global mean loss (Σ its token losses / tokens_per_step; 0.0 on ranks
     without the last pipeline stage). ``on_synced(s)`` runs after the gradient reduction,
-    before the optimizer (to read the reduced gradients)."""
+    before the optimizer (to read the reduced gradients). ``noise``: a
+    :class:`~labkit.train.noise_scale.NoiseScaleMeter` reading the local gradients just
+    before the reduction and the reduced ones just after."""
     cfg, mg = setup.cfg, setup.mg
     dp_index, cp_index = mg.index("dp"), mg.index("cp")
     scale = grad_scale(setup)
@@ -51,11 +53,15 @@ def make_step(setup: RankSetup, executor=None, on_synced=None):
     def finish(s: int, mark) -> None:
         if setup.tied is not None:
             setup.tied.sync()
+        if noise is not None:
+            noise.before_sync()
         if setup.wrappers:
             with region("grad_sync"):
                 for w in setup.wrappers:
                     if hasattr(w, "finish_gradient_sync"):
                         w.finish_gradient_sync()
+        if noise is not None:
+            noise.after_sync()
         if on_synced is not None:
             on_synced(s)
         mark("backward")
