@@ -1,0 +1,193 @@
+"""Faults injected on the warm cluster: detected, named, recovered (labkit.faults, C39).
+
+One 2-rank pool (the session's ``cluster2``) runs everything: a clean run as the oracle, a
+transient bit flip caught and re-run away (losses equal the clean run's exactly), a
+straggler named from the trace, a skipped all-reduce diagnosed (op, group, seq, missing
+rank, where the sequences diverge), and a SIGKILLed rank recovered by
+:func:`run_resilient` (losses equal the clean run's). Two of these restart the pool.
+Bounds are structural or generous (detection well under the watchdog plus the job's
+timeout); the timings themselves are in benchmarks/fault_recovery.py.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from labkit import jobs
+from labkit.config import RunConfig
+from labkit.faults import FaultSpec, parse_faults
+from labkit.faults.goodput import (LLAMA3, daly_interval, expected_goodput, llama3_example,
+                                   young_interval)
+from labkit.faults.recover import resume_config, run_resilient
+from labkit.faults.sdc import ReplicaCheck, SilentDataCorruption, checksum
+from labkit.faults.straggler import stragglers
+from labkit.faults.watch import CollectiveHang, RankDied
+
+from jobs_faults import SkipConfig, all_reduce_steps
+
+BASE = RunConfig(parallel=dict(dp=2), steps=3, global_batch=4, measure_memory=False,
+                 count_flops=False, timeout_s=60)
+
+
+# ------------------------------------------------------------------ before launch (no ranks)
+def test_fault_strings_parse_and_bad_ones_are_refused_naming_the_numbers():
+    f, = parse_faults("bitflip@2:rank1:target=param:bit=3:persistent=1")
+    assert (f.kind, f.step, f.rank, f.target, f.bit, f.persistent) == ("bitflip", 2, 1, "param",
+                                                                       3, True)
+    assert parse_faults(str(f)) == (f,)
+    assert [x.kind for x in parse_faults("kill@1:rank0, slow@0:rank1:seconds=0.5")] == \
+        ["kill", "slow"]
+    bad = {"kill@9:rank1": "step=9 is outside the run's steps 0..2",
+           "kill@1:rank2": "rank=2 is outside the job's ranks 0..1",
+           "melt@1:rank0": "kind 'melt'", "kill@1": "KIND@STEP:rankR",
+           "skip@1:rank0:op=gather": "op='gather'", "kill@0:rank0:colour=red": "unknown option",
+           "bitflip@1:rank0:bit=40": "bit=40", "kill@0:rank0,hang@1:rank1": "at most one"}
+    for text, words in bad.items():
+        with pytest.raises(ValueError, match="fault") as err:
+            BASE.replace(fault=text).validate(2)
+        assert words in str(err.value), (text, str(err.value))
+    with pytest.raises(ValueError, match="full replicas.*dp=1"):
+        BASE.replace(dp=1, fault="bitflip@0:rank0").validate(2)
+    with pytest.raises(ValueError, match="fingerprint_every=2 .*zero_stage=3"):
+        BASE.replace(fingerprint_every=2, zero_stage=3).validate(2)
+    with pytest.raises(ValueError, match="watchdog_s=90 must be below timeout_s=60"):
+        BASE.replace(watchdog_s=90).validate(2)
+
+
+def test_checksum_sees_every_single_bit():
+    import torch
+
+    from labkit.faults.inject import flip_bit
+
+    t = torch.randn(64)
+    ref = checksum([t])
+    for bit in range(32):
+        u = t.clone()
+        flip_bit(u, 5, bit)
+        assert checksum([u]) != ref, bit
+        flip_bit(u, 5, bit)
+        assert checksum([u]) == ref and torch.equal(u, t)
+
+
+def test_replica_check_tells_transient_from_persistent():
+    """The decision logic on planted checksums (4 replicas): a flip that a re-run clears
+    names the rank whose sum changed; one that survives it is persistent, named by majority."""
+    runs = []
+
+    def fake(sums_per_run):
+        check = ReplicaCheck([], every=1, rank=0)
+        it = iter(sums_per_run)
+        check._sums = lambda what: [next(it)]
+        return check
+
+    good = {0: 7, 1: 7, 2: 7, 3: 7}
+    check = fake([{**good, 2: 9}, good])
+    check.check_grads(5, lambda: runs.append("rerun"))
+    assert runs == ["rerun"] and check.events[0].ranks == (2,) and \
+        check.events[0].verdict == "transient" and check.events[0].step == 5
+    check = fake([{**good, 3: 9}, {**good, 3: 9}])
+    with pytest.raises(SilentDataCorruption, match="persistent") as err:
+        check.check_grads(4, lambda: None)
+    assert check.events[0].ranks == (3,) and "rank(s) [3]" in str(err.value)
+    check = fake([good])
+    check.check_grads(1, lambda: runs.append("never"))
+    assert runs == ["rerun"] and not check.events
+
+
+# ------------------------------------------------------------------------- goodput planner
+def _simulated_goodput(tau, delta, mtbf, restart, work, rng) -> float:
+    """Monte Carlo of exponential failures with checkpoints: the oracle for Daly's formula."""
+    done = wall = 0.0
+    next_fail = rng.expovariate(1 / mtbf)
+    while done < work:
+        seg = min(tau, work - done) + delta
+        if wall + seg <= next_fail:
+            wall += seg
+            done += seg - delta
+            continue
+        wall = next_fail + restart  # lose the segment, restart (failures during restart ignored)
+        next_fail = wall + rng.expovariate(1 / mtbf)
+    return work / wall
+
+
+def test_goodput_formula_matches_a_simulation_and_young_daly_are_near_its_optimum():
+    delta, mtbf = 30.0, 3000.0
+    rng = random.Random(0)
+    for tau in (100.0, 420.0, 1500.0):
+        sim = _simulated_goodput(tau, delta, mtbf, 0.0, 2e6, rng)
+        assert abs(sim - expected_goodput(tau, delta, mtbf)) < 0.01, tau
+    grid = [10.0 * k for k in range(1, 1000)]
+    best = max(grid, key=lambda t: expected_goodput(t, delta, mtbf))
+    assert young_interval(delta, mtbf) == pytest.approx(math.sqrt(2 * 30 * 3000))
+    assert abs(daly_interval(delta, mtbf) - best) <= 10.0  # the numerical optimum, ±1 step
+    assert abs(young_interval(delta, mtbf) - best) / best < 0.1
+    assert expected_goodput(best, delta, mtbf) > expected_goodput(best * 3, delta, mtbf)
+    with pytest.raises(ValueError, match="mtbf_s must be a finite number > 0"):
+        young_interval(30, 0)
+
+
+def test_c39_llama3_interruptions_worked_example():
+    """C39: 54 days, 466 interruptions, 419 unplanned (Dubey et al. 2024, Table 5)."""
+    assert (LLAMA3["days"], LLAMA3["interruptions"], LLAMA3["unplanned"]) == (54, 466, 419)
+    ex = llama3_example(ckpt_s=60.0, restart_s=600.0)
+    assert ex["mtbf_s"] == pytest.approx(54 * 86400 / 419)  # ~3.1 hours
+    assert 3.0 < ex["mtbf_s"] / 3600 < 3.2 and ex["interrupts_per_day"] == pytest.approx(419 / 54)
+    assert ex["young_s"] == pytest.approx(math.sqrt(2 * 60 * 54 * 86400 / 419))
+    assert ex["goodput_at_optimum"] > ex["goodput_hourly"]
+    assert llama3_example(unplanned_only=False)["mtbf_s"] < ex["mtbf_s"]
+
+
+def test_resume_needs_checkpoint_fields_and_says_so():
+    with pytest.raises(ValueError, match="needs distributed checkpoints"):
+        resume_config(BASE, 2)
+
+
+# ----------------------------------------------------------------------- on the warm ranks
+@pytest.mark.distributed
+def test_faults_on_the_warm_cluster(cluster2):
+    clean = cluster2.run(jobs.train, BASE)
+    assert clean.metrics[0]["faults_injected"] == []
+
+    # a transient bit flip in rank 1's reduced gradient at step 1: caught, re-run away
+    sdc = cluster2.run(jobs.train, BASE.replace(fault="bitflip@1:rank1", fingerprint_every=1))
+    assert sdc.losses == clean.losses  # exactly: the re-run's gradients are the clean ones
+    for m in sdc.metrics:
+        ev, = m["sdc"]["events"]
+        assert (ev["step"], ev["what"], ev["ranks"], ev["verdict"]) == (1, "grad", [1],
+                                                                        "transient")
+    assert sdc.metrics[1]["faults_injected"] == ["bitflip@1:rank1:target=grad:bit=30:index=0"]
+    # the fingerprint's own collectives are in the trace, 8 bytes per rank each
+    fps = [e for e in sdc.trace.filter(rank=0, op="all_gather") if "fingerprint" in e.args]
+    assert len(fps) == 2 * 3 + 1  # grads and params every step, plus the re-run's check
+
+    # a straggler: rank 0 sleeps 0.3 s per step from step 1; its peer waits for it
+    slow = cluster2.run(jobs.train, BASE.replace(fault="slow@1:rank0:seconds=0.3"))
+    rep = stragglers(slow.trace, threshold_s=0.15, from_step=1)
+    assert rep.slow == [0] and rep.lateness_s[0] > 0.15, str(rep)
+    assert stragglers(clean.trace, threshold_s=0.15, from_step=1).slow == []
+
+    # a skipped all-reduce: the hang names the op, the group, the seq, the missing rank
+    # (the pool restarts: the rest uses a job far cheaper than training on fresh ranks)
+    with pytest.raises(CollectiveHang) as err:
+        cluster2.run(all_reduce_steps, SkipConfig(steps=4, fault="skip@1:rank1"))
+    hang = err.value.fault.hang
+    assert (hang.op, hang.group, hang.seq, hang.step) == ("all_reduce", (0, 1), 3, 3)
+    assert hang.entered == (0,) and hang.missing == (1,) and err.value.fault.rank == 1
+    assert "diverge at #1" in hang.divergence and "ranks [1]" in hang.divergence
+    assert "all_reduce #3 on group [0, 1]" in str(err.value)
+    assert 2.0 <= hang.waited_s < 30.0  # watchdog_s=2; generous bound
+    assert cluster2.faults[-1] is err.value.fault
+
+    # a SIGKILLed rank at step 2: named, the pool restarted, the job completed again
+    seen = []
+    run = run_resilient(cluster2, SkipConfig(steps=4, fault="kill@2:rank1"),
+                        job=all_reduce_steps,
+                        on_fault=lambda cost, exc: seen.append((cost, exc)))
+    (cost, exc), = seen
+    assert isinstance(exc, RankDied) and "killed by SIGKILL in step 2" in str(exc)
+    assert exc.fault.extra["exitcode"] == -9
+    assert (cost.kind, cost.rank, cost.step, cost.lost_steps) == ("killed", 1, 2, 2)
+    assert 0 <= cost.detect_s < 10.0 and cost.recovery_s > 0
+    assert [o for o in run.result.outputs] == [[3.0] * 4] * 2  # 1 + 2 on every step, every rank
