@@ -86,7 +86,8 @@ def run_resilient(cluster, cfg, job: Any = None, *, max_restarts: int = 2,
         cfg: the run's config; its ``fault`` is injected into the first attempt only.
         resume: resume each later attempt from the last checkpoint (:func:`resume_config`)
             instead of step 0.
-        on_fault: called with each fault's cost and exception (a notebook prints them).
+        on_fault: called with each fault's cost and exception as it is detected (a
+            notebook prints them); its ``lost_s`` is filled in when the run ends.
 
     Raises:
         ValueError: ``resume=True`` without checkpoint fields, before anything runs.
