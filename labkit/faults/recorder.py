@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 __all__ = ["CAPACITY", "OPS", "FlightRecorder", "RankRecords", "Record", "HangReport",
-           "open_recorder", "active", "read_records", "diagnose", "request_dump"]
+           "open_recorder", "active", "read_records", "diagnose", "divergences",
+           "request_dump"]
 
 #: records kept per rank (a ring): a tiny GPT's step issues a handful of collectives
 CAPACITY = 1024
@@ -291,3 +292,17 @@ def _divergence(by_rank: dict, group: tuple) -> Optional[str]:
                     f"{'s' if len(odd) > 1 else ''} {odd} skipped (or added) a collective "
                     f"before it")
     return None
+
+
+def divergences(by_rank: dict) -> list:
+    """``[text]``: for every group whose members' collective sequences disagree, where
+    (see :func:`diagnose`'s ``divergence``). A skipped collective that paired with a
+    peer's other collective of another size makes gloo abort the process ("Received data
+    size doesn't match expected size"), so a death is checked for this too."""
+    groups = {rec.group for rr in by_rank.values() if rr is not None for rec in rr.records}
+    out = []
+    for g in sorted(groups):
+        d = _divergence(by_rank, g)
+        if d:
+            out.append(f"group {list(g)}: {d}")
+    return out

@@ -25,7 +25,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Optional
 
 from ..result import RankError
-from .recorder import HangReport, diagnose, read_records, request_dump
+from .recorder import HangReport, diagnose, divergences, read_records, request_dump
 
 __all__ = ["FaultEvent", "RankDied", "CollectiveHang", "Watch", "DEATH_GRACE_S", "DUMP_WAIT_S"]
 
@@ -76,9 +76,10 @@ class RankDied(RankError):
     def __init__(self, fault: FaultEvent, remote_traceback: str, job: str = ""):
         self.fault = fault
         self.rank, self.remote_traceback, self.job = fault.rank, remote_traceback, job
-        RuntimeError.__init__(self, f"{fault.message} during job {job}; the pool was "
-                                    f"restarted\n\n--- what the ranks reported ---\n"
-                                    f"{remote_traceback}")
+        first, _, rest = fault.message.partition("\n")
+        RuntimeError.__init__(self, f"{first} during job {job}; the pool was restarted"
+                                    f"{chr(10) + rest if rest else ''}\n\n--- what the ranks "
+                                    f"reported ---\n{remote_traceback}")
 
 
 class CollectiveHang(TimeoutError):
@@ -139,6 +140,8 @@ class Watch:
         step = rr.step if rr else -1
         msg = (f"rank {rank} (pid {p.pid}) {_signal_name(p.exitcode)} in step {step}"
                + (f"; also dead: ranks {[r for r in dead if r != rank]}" if len(dead) > 1 else ""))
+        for d in divergences(recs):  # a collective mismatch that made gloo abort it
+            msg += f"\n  {d}"
         return FaultEvent("killed", rank, step, now, rr.fault_t if rr else None, msg,
                           extra={"exitcode": p.exitcode})
 
