@@ -6,6 +6,7 @@ machine's load hits all alike. Two measures:
 
 * in the rank: the seconds the checks themselves took (checksums of the reduced gradients
   and the parameters, two 8-byte all-gathers), per check and as a share of the step;
+* the checksum alone, in this process (no communication): the low-noise figure;
 * end to end: the median steady step time (max over ranks) with the check every step and
   every 10 steps, against off (paired ratios, median over rounds).
 
@@ -39,6 +40,25 @@ def recorder_cost_s(n: int = 20000) -> float:
                 rec.exit(rec.enter("all_reduce", (0, 1), 1024, 0.0), 0.0)
             best = min(best, (time.perf_counter() - t0) / n)
         return best
+
+
+def checksum_cost_s(model: str) -> tuple:
+    """(seconds, parameters): one checksum of ``model``'s parameters in this process, one
+    thread, best of 20 (the check's arithmetic without the all-gather)."""
+    import torch
+
+    from labkit.config import preset
+    from labkit.faults.sdc import checksum
+    from labkit.models import build_model
+
+    torch.set_num_threads(1)
+    params = list(build_model(preset(model), seed=0).parameters())
+    best = float("inf")
+    for _ in range(20):
+        t0 = time.perf_counter()
+        checksum(params)
+        best = min(best, time.perf_counter() - t0)
+    return best, sum(p.numel() for p in params)
 
 
 def main() -> None:
@@ -78,6 +98,10 @@ def main() -> None:
         over = "—" if k == 0 else f"{(ratio[k] - 1) * 100:+.1f} %"
         print(f"{k or 'off':>18} {med[k] * 1e3:>17.2f} {over:>16}")
     rec = recorder_cost_s()
+    cs, n = checksum_cost_s(args.model)
+    print(f"one checksum of the {n:,} parameters alone (1 thread, this process): "
+          f"{cs * 1e3:.3f} ms, {n * 4 / cs / 1e9:.1f} GB/s; the rest of a check is the "
+          "all-gather, i.e. waiting for the slowest replica")
     print(f"one check (checksums + 8-byte all-gather), in the rank: "
           f"{statistics.median(per_check) * 1e3:.3f} ms; two per checked step = "
           f"{statistics.median(share) * 100:.1f} % of the step")
@@ -87,6 +111,7 @@ def main() -> None:
     print(f"RESULT sdc_check_ms {statistics.median(per_check) * 1e3:.3f}")
     print(f"RESULT sdc_check_share_of_step_pct {statistics.median(share) * 100:.2f}")
     print(f"RESULT flight_recorder_us_per_collective {rec * 1e6:.2f}")
+    print(f"RESULT sdc_checksum_only_ms {cs * 1e3:.3f}")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,36 @@ def test_replica_check_tells_transient_from_persistent():
     assert runs == ["rerun"] and not check.events
 
 
+def test_flight_records_diagnose_a_skip_without_ranks(tmp_path):
+    """Three ranks' flight records written and read back through the mapped files: rank 2
+    skipped the step-1 all-reduce of group [0, 1, 2], so the others wait in #3 (step 3)."""
+    from labkit.faults.recorder import FlightRecorder, diagnose, divergences, read_records
+
+    recs = {r: FlightRecorder(str(tmp_path / f"flight{r}")) for r in range(3)}
+    for r, rec in recs.items():
+        rec.begin_job(7)
+        t = 100.0
+        for step in range(4):
+            rec.set_step(step)
+            if r == 2 and step == 1:
+                continue  # the skip
+            slot = rec.enter("all_reduce", (0, 1, 2), 64, t + step)
+            if not (r < 2 and step == 3):  # ranks 0 and 1 are stuck in step 3's
+                rec.exit(slot, t + step + 0.1)
+        rec.enter("broadcast", (0, 1), 8, t + 5) if r == 1 else None
+    by_rank = {r: read_records(str(tmp_path / f"flight{r}"), r) for r in range(3)}
+    assert by_rank[0].job == 7 and by_rank[0].step == 3 and len(by_rank[0].records) == 4
+    assert by_rank[0].records[2].t_exit == pytest.approx(102.1)
+    report = diagnose(by_rank, now=110.0)
+    assert (report.op, report.group, report.seq, report.step) == ("all_reduce", (0, 1, 2), 3, 3)
+    assert report.entered == (0, 1) and report.missing == (2,)
+    assert report.waited_s == pytest.approx(7.0)
+    assert "diverge at #1" in report.divergence and "step 2" in report.divergence
+    assert "last collective on this group was all_reduce #2 (step 3)" in report.where[2]
+    assert len(divergences(by_rank)) == 1
+    assert diagnose({r: by_rank[2] for r in (2,)}, now=110.0) is None  # nobody waiting
+
+
 # ------------------------------------------------------------------------- goodput planner
 def _simulated_goodput(tau, delta, mtbf, restart, work, rng) -> float:
     """Monte Carlo of exponential failures with checkpoints: the oracle for Daly's formula."""
@@ -107,17 +137,22 @@ def _simulated_goodput(tau, delta, mtbf, restart, work, rng) -> float:
             wall += seg
             done += seg - delta
             continue
-        wall = next_fail + restart  # lose the segment, restart (failures during restart ignored)
-        next_fail = wall + rng.expovariate(1 / mtbf)
+        wall = next_fail  # the segment is lost; restart, again if a failure interrupts it
+        while True:
+            next_fail = wall + rng.expovariate(1 / mtbf)
+            if next_fail >= wall + restart:
+                wall += restart
+                break
+            wall = next_fail
     return work / wall
 
 
 def test_goodput_formula_matches_a_simulation_and_young_daly_are_near_its_optimum():
     delta, mtbf = 30.0, 3000.0
     rng = random.Random(0)
-    for tau in (100.0, 420.0, 1500.0):
-        sim = _simulated_goodput(tau, delta, mtbf, 0.0, 2e6, rng)
-        assert abs(sim - expected_goodput(tau, delta, mtbf)) < 0.01, tau
+    for tau, restart in ((100.0, 0.0), (420.0, 0.0), (1500.0, 0.0), (420.0, 120.0)):
+        sim = _simulated_goodput(tau, delta, mtbf, restart, 2e7, rng)  # ~7000 failures
+        assert abs(sim - expected_goodput(tau, delta, mtbf, restart)) < 0.005, tau
     grid = [10.0 * k for k in range(1, 1000)]
     best = max(grid, key=lambda t: expected_goodput(t, delta, mtbf))
     assert young_interval(delta, mtbf) == pytest.approx(math.sqrt(2 * 30 * 3000))
