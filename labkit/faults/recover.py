@@ -59,6 +59,11 @@ def resume_config(cfg, fault_step: int) -> tuple:
     """``(the config of the next attempt, the step it restarts from)`` when resuming from
     the last checkpoint: the hook distributed checkpoints plug into.
 
+    ``fault_step`` is the step the fault struck (its work is lost); snapshots are written
+    after every ``save_every`` steps, so the run resumes at the last multiple of
+    ``save_every`` at or below it (from step 0, ``resume=False``, when there is none). The
+    snapshot folder must hold only this run's snapshots: the latest one is loaded.
+
     Raises:
         ValueError: ``cfg`` has no checkpoint fields (``save_dir``/``save_every``/``resume``)
             or ``save_dir`` is not set.
@@ -70,8 +75,10 @@ def resume_config(cfg, fault_step: int) -> tuple:
     if not cfg.save_dir:
         raise ValueError("resume=True needs save_dir set: there is no checkpoint to resume")
     every = cfg.save_every or 0
+    # a snapshot is written after every ``save_every`` steps: the last one before the
+    # fault's step is the one to resume; none yet means starting over
     start = (max(fault_step, 0) // every) * every if every else 0
-    return dataclasses.replace(cfg, resume=True), start
+    return dataclasses.replace(cfg, resume=start > 0), start
 
 
 def run_resilient(cluster, cfg, job: Any = None, *, max_restarts: int = 2,
