@@ -252,6 +252,15 @@ class RunConfig:
         fingerprint_every: every this many steps, data-parallel replicas all-gather a
             checksum of their reduced gradients and parameters and compare (silent data
             corruption, :mod:`labkit.faults.sdc`); 0 (default) is off.
+        save_dir: folder for snapshots of the whole training state (:mod:`labkit.snapshot`:
+            parameters and AdamW state in their shards, step, RNG) written with
+            ``torch.distributed.checkpoint``; ``None`` saves nothing. Not activation
+            checkpointing (``checkpoint``).
+        save_every: with ``save_dir``, a snapshot after every ``save_every`` steps (``0``:
+            only after the last step, which is always saved).
+        resume: ``True`` continues from the latest complete snapshot in ``save_dir``; a
+            path, from that snapshot (or the latest in that folder). Any valid layout of
+            the same model loads it (resharded); ``steps`` still counts from the run's start.
     """
 
     model: ModelConfig | str = "tiny"
@@ -290,6 +299,9 @@ class RunConfig:
     fault: Any = None
     watchdog_s: Optional[float] = None
     fingerprint_every: int = 0
+    save_dir: Optional[str] = None
+    save_every: int = 0
+    resume: bool | str = False
 
     # -- derived -------------------------------------------------------------------------
     @property

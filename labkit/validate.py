@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 __all__ = ["validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
@@ -97,6 +98,7 @@ def validate_run(cfg, world_size: Optional[int] = None) -> None:
     _composition(cfg, mc)
     _rank_limits(cfg)
     _faults(cfg)
+    _snapshot(cfg)
 
 
 def _fields(cfg) -> None:
@@ -133,6 +135,30 @@ def _fields(cfg) -> None:
                  "compile", "measure_memory", "count_flops", "return_state", "return_grads"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
+
+
+def _snapshot(cfg) -> None:
+    """Snapshot fields (:mod:`labkit.snapshot`): their types, and what the files say — a
+    resume target that is complete, of this model, with every shard at full length; a save
+    folder no other live run is writing."""
+    if cfg.save_dir is not None and (not isinstance(cfg.save_dir, (str, os.PathLike))
+                                     or not str(cfg.save_dir)):
+        raise ValueError(f"save_dir must be a folder path or None, got {cfg.save_dir!r}")
+    _int(cfg, "save_every", 0)
+    if cfg.save_every and cfg.save_dir is None:
+        raise ValueError(f"save_every={cfg.save_every} has no effect here: set save_dir too")
+    r = cfg.resume
+    if not (isinstance(r, bool) or (isinstance(r, (str, os.PathLike)) and str(r))):
+        raise ValueError(f"resume must be True, False or a snapshot path, got {r!r}")
+    if r is True and cfg.save_dir is None:
+        raise ValueError("resume=True needs save_dir (the folder to resume from)")
+    if cfg.save_dir is not None or r:
+        from .snapshot import folder  # reads files only: no torch
+
+        if cfg.save_dir is not None:
+            folder.check_lock(cfg.save_dir)
+        if r:
+            folder.check_resume(cfg)
 
 
 def _model(cfg, mc) -> None:

@@ -11,6 +11,8 @@
   work per rank.
 * :class:`ExpertView` — tokens per expert per rank of an expert-parallel run, and its
   dispatch/combine all-to-alls replayed from the trace.
+* :mod:`.snapshot_view` — a resumed run's resharding (which saved rank's file feeds which
+  new rank, by bytes), its losses over the uninterrupted run's, bytes and seconds per rank.
 * :class:`Explorer` — data-parallel, ZeRO and pipeline knobs that re-run training on a
   warm ``Cluster`` and show measured memory, MFU, communication and the pipeline bubble
   beside the formulas and the simulator.

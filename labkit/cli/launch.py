@@ -46,7 +46,9 @@ def cmd_run(args) -> int:
                           file=sys.stderr)
 
                 result = run_resilient(cluster, r.cfg, train, max_restarts=1,
-                                       on_fault=said).result
+                                       on_fault=said,  # from the last snapshot if saving
+                                       resume=bool(r.cfg.save_dir and r.cfg.save_every)
+                                       ).result
             else:
                 result = cluster.run(train, r.cfg)
             backend = cluster.backend

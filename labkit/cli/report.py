@@ -105,8 +105,33 @@ def render(cfg, outputs: list, info: dict, pipe: dict = None, console=None) -> N
         console.print(f"silent data corruption caught: {text}")
     losses = outputs[0]["losses"]
     tail = f" · trace → {info['trace']}" if info.get("trace") else ""
+    first = metrics[0].get("first_step", 0)
+    since = f" (steps {first}–{first + len(losses) - 1}, resumed)" if first else ""
     console.print(f"loss (global batch) {losses[0]:.4f} → {losses[-1]:.4f} over "
-                  f"{len(losses)} step(s) · wall {info.get('wall_s', 0.0):.1f} s{tail}")
+                  f"{len(losses)} step(s){since} · wall {info.get('wall_s', 0.0):.1f} s{tail}")
+    for line in snapshot_lines(metrics):
+        console.print(line)
+
+
+def snapshot_lines(metrics: list) -> list:
+    """One line per snapshot saved or loaded (:mod:`labkit.snapshot`): where, the bytes
+    over all ranks, the slowest rank's seconds."""
+    out = []
+    snaps = [m.get("snapshot", {}) for m in metrics]
+    loaded = [s["loaded"] for s in snaps if s.get("loaded")]
+    if loaded:
+        x = loaded[0]
+        out.append(f"resumed from {x['dir']} after step {x['step']} "
+                   f"({'same layout' if x['same_layout'] else 'resharded'}): read "
+                   f"{sum(v['bytes_read'] for v in loaded):,} bytes over {len(loaded)} ranks, "
+                   f"slowest {max(v['seconds'] for v in loaded):.2f} s")
+    per_save = zip(*[s.get("saved", []) for s in snaps]) if all(s.get("saved") for s in snaps) \
+        else []
+    for saves in per_save:
+        out.append(f"saved step {saves[0]['step']} → {saves[0]['dir']}: "
+                   f"{sum(v['bytes_written'] for v in saves):,} bytes from {len(saves)} ranks, "
+                   f"slowest {max(v['seconds'] for v in saves):.2f} s")
+    return out
 
 
 def _header(console, cfg, m0: dict, world: int, info: dict) -> None:

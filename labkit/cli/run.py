@@ -44,6 +44,7 @@ class Flag(NamedTuple):
     group: str
     const: object = None
     metavar: Optional[str] = None
+    nargs: Optional[str] = None
 
 
 _MODEL, _DP, _PP, _ND, _SPEED = ("model and batch", "data parallelism and ZeRO",
@@ -51,6 +52,7 @@ _MODEL, _DP, _PP, _ND, _SPEED = ("model and batch", "data parallelism and ZeRO",
                                  "tensor, context and expert parallelism",
                                  "activations, precision, implementation")
 _FAULTS = "faults (labkit.faults)"
+_SNAP = "snapshots of the training state (labkit.snapshot; not activation checkpointing)"
 
 #: every ``labkit run`` flag and the RunConfig field it sets
 FLAGS: tuple = (
@@ -124,6 +126,13 @@ FLAGS: tuple = (
     Flag("--fingerprint-every", "fingerprint_every", int, "compare data-parallel replicas' "
          "gradient and parameter checksums every K steps: silent data corruption "
          "(default 0: off)", _FAULTS, metavar="K"),
+    Flag("--save-dir", "save_dir", str, "folder to save the whole training state in "
+         "(every rank its shards, torch.distributed.checkpoint)", _SNAP, metavar="DIR"),
+    Flag("--save-every", "save_every", int, "with --save-dir, save after every N steps "
+         "(default 0: only after the last step)", _SNAP, metavar="N"),
+    Flag("--resume", "resume", str, "continue from the latest snapshot in --save-dir, or "
+         "from the snapshot PATH; any valid layout of the same model loads it", _SNAP,
+         const=True, metavar="PATH", nargs="?"),
 )
 
 #: RunConfig fields no flag sets, and why
@@ -154,6 +163,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         kw = dict(dest=_dest(f), default=argparse.SUPPRESS, help=f"{f.help} [{f.field}]")
         if f.type is None:
             g.add_argument(f.flag, action="store_const", const=f.const, **kw)
+        elif f.nargs:
+            g.add_argument(f.flag, type=f.type, nargs=f.nargs, const=f.const,
+                           metavar=f.metavar, **kw)
         else:
             g.add_argument(f.flag, type=f.type, metavar=f.metavar, **kw)
     out = parser.add_argument_group("output")

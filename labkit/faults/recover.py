@@ -6,9 +6,9 @@ checkpoint when asked), and account for what each fault cost.
 rank's error or a timeout ends the attempt; the cluster has already killed the ranks and
 started a fresh pool (:class:`labkit.Cluster`); the next attempt waits for that pool,
 and runs the config again without the injected faults (they were injected once). With
-``resume=True`` the next attempt resumes from the last checkpoint: that needs the
-checkpoint fields (``save_dir``, ``save_every``, ``resume``) of :mod:`labkit.parallel`'s
-distributed checkpoints; without them it refuses before running anything.
+``resume=True`` the next attempt resumes from the last snapshot (:mod:`labkit.snapshot`:
+``save_dir``, ``save_every``, ``resume``); without ``save_dir`` it refuses before running
+anything.
 
 Each fault's cost is measured, as Young and Daly model it (:mod:`.goodput`): the time to
 detect it, the time to recover (detection → restarted pool ready), and the work lost
@@ -69,9 +69,9 @@ def resume_config(cfg, fault_step: int) -> tuple:
             or ``save_dir`` is not set.
     """
     if not all(hasattr(cfg, f) for f in ("save_dir", "save_every", "resume")):
-        raise ValueError("resume=True needs distributed checkpoints (RunConfig.save_dir, "
-                         "save_every, resume), which this labkit does not have yet; run "
-                         "with resume=False to restart from step 0")
+        raise ValueError("resume=True needs snapshots (RunConfig.save_dir, save_every, "
+                         "resume: labkit.snapshot); run with resume=False to restart from "
+                         "step 0")
     if not cfg.save_dir:
         raise ValueError("resume=True needs save_dir set: there is no checkpoint to resume")
     every = cfg.save_every or 0

@@ -79,6 +79,7 @@ def run(ctx, cfg: RunConfig) -> dict:
     # timed step: all of the heap after a cold build (it allocates far more), the young
     # generations after a warm one (a full walk would cost it tens of milliseconds). The
     # memory-tracked step pauses the collector itself (labkit.measure.memory).
+    start, snapshots = _resume(ctx, setup)
     gc.collect(1 if "stages" in setup.reused else 2)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
@@ -86,11 +87,12 @@ def run(ctx, cfg: RunConfig) -> dict:
         inject.arm(cfg.faults, ctx.rank)
         stack.callback(inject.disarm)
         shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
-                                          ctx.device, track=setup.track)
+                                          ctx.device, track=setup.track, start=start,
+                                          after_step=_saver(ctx, setup, snapshots))
     ctx.tracer.step = -1
     losses = _global_losses(ctx, setup, shares)
     step_time = steady_step_time(times)
-    timed = 1 if len(times) > 1 else 0
+    timed = start + (1 if len(times) > 1 else 0)
     metrics = {"rank": ctx.rank, "coords": dict(mg.coords), "mesh": str(cfg.mesh.shape),
                "model": cfg.model_config.name, "n_params": setup.n_params,
                "rank_params": setup.rank_params, "stages": sorted(setup.stages),
@@ -112,22 +114,24 @@ def run(ctx, cfg: RunConfig) -> dict:
                                       for m in setup.stages.values()
                                       for b in getattr(m, "layers", [])),
                # what this warm rank took from its cache instead of building or measuring
-               "reused": list(setup.reused),
+               "reused": list(setup.reused), "first_step": start,
                # labkit.faults: what was injected on this rank, and the replica fingerprint
                "faults_injected": [str(f) for f in cfg.faults if f.rank == ctx.rank]}
     if getattr(step, "sdc", None) is not None:
         metrics["sdc"] = step.sdc.summary()
+    if snapshots:
+        metrics["snapshot"] = snapshots
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))
     if log is not None:
-        out["routing"] = routing_summary(log, cfg.steps)
+        out["routing"] = routing_summary(log, cfg.steps - start)
         if setup.mg.size("ep") > 1:
             ep = ep_predicted(ctx, setup, log, timed)
             metrics["comm_predicted_by_axis"]["ep"] = ep
             metrics["comm_bytes_predicted"] += sum(ep.values())
     if setup.cp_core is not None:
-        metrics["cp"] = _cp_metrics(ctx, setup, timed)
+        metrics["cp"] = _cp_metrics(ctx, setup, timed, cfg.steps - start)
     if cfg.zero_stage == 3 and setup.sharded:
         metrics["overlap"] = overlap_fraction(ctx.tracer.events, timed, ctx.rank)
     metrics.update(flops_and_mfu(ctx, setup, step_time))
@@ -146,7 +150,35 @@ def run(ctx, cfg: RunConfig) -> dict:
     return out
 
 
-def _cp_metrics(ctx, setup: RankSetup, step: int) -> dict:
+def _resume(ctx, setup: RankSetup) -> tuple:
+    """``(first step, snapshot report)``: with ``cfg.resume``, the state of the snapshot it
+    names loaded into this composition (:mod:`labkit.snapshot`), else step 0."""
+    cfg = setup.cfg
+    if not cfg.resume:
+        return 0, {}
+    from ..snapshot import load
+    from ..snapshot.folder import check_resume
+
+    start, report = load(ctx, setup, check_resume(cfg))
+    return start, {"loaded": report}
+
+
+def _saver(ctx, setup: RankSetup, snapshots: dict):
+    """``after_step(s)``: with ``cfg.save_dir``, a snapshot after every ``save_every``
+    steps and after the last (:mod:`labkit.snapshot`)."""
+    cfg = setup.cfg
+    if not cfg.save_dir:
+        return None
+    from ..snapshot import save
+
+    def after(s: int) -> None:
+        done = s + 1
+        if done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0):
+            snapshots.setdefault("saved", []).append(save(ctx, setup, done))
+    return after
+
+
+def _cp_metrics(ctx, setup: RankSetup, step: int, n_steps: int) -> dict:
     """Context parallelism on this rank: the attention work its own counter saw per step
     (unmasked query-key pairs × batch rows × heads, by phase; every step does the same) beside
     the closed form, the K/V working set, and for the ring the fraction of send/recv time
@@ -156,7 +188,7 @@ def _cp_metrics(ctx, setup: RankSetup, step: int) -> dict:
     cfg, mg = setup.cfg, setup.mg
     mc, p = cfg.model_config, cfg.parallel
     work = setup.cp_core.counter.to_dict()
-    per_step = {ph: n // cfg.steps for ph, n in work["pairs"].items()}
+    per_step = {ph: n // n_steps for ph, n in work["pairs"].items()}
     layers = sum(len(m.layers) for m in setup.stages.values())
     one = work_closed_form(cfg.cp_method, mg.index("cp"), p.cp, mc.seq_len, cfg.cp_zigzag,
                            True, cfg.micro, mc.n_heads // p.tp)

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -31,13 +31,16 @@ __all__ = ["run_steps", "steady_step_time", "memory_metrics", "predicted_memory"
 
 
 def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
-              track: Iterable[torch.Tensor] = ()) -> tuple:
-    """Run ``cfg.steps`` steps, timing them and measuring memory in the last one.
+              track: Iterable[torch.Tensor] = (), start: int = 0,
+              after_step: Optional[Callable] = None) -> tuple:
+    """Run steps ``start … cfg.steps − 1``, timing them and measuring memory in the last.
 
     ``step_fn(s, mark)`` runs step ``s`` and returns its loss; ``mark(label)`` records a
     memory snapshot (a no-op outside the tracked step). With ``cfg.measure_memory`` the last
     step runs under :func:`~labkit.measure.memory.measure_memory` and is not timed, unless
-    it is the only step; its events are tagged ``instrumented="memory"``.
+    it is the only step; its events are tagged ``instrumented="memory"``. ``after_step(s)``
+    runs after step ``s``, outside its timing (a snapshot save). A run resumed from a
+    snapshot starts at ``start`` > 0.
 
     Returns:
         ``(losses, times, report)``: per-step losses, the timed steps' seconds, and the
@@ -45,7 +48,7 @@ def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
     """
     losses, times, report = [], [], None
     mem_step = cfg.steps - 1 if cfg.measure_memory else None
-    for s in range(cfg.steps):
+    for s in range(start, cfg.steps):
         ctx.tracer.step = s
         inject.on_step(s)  # the flight record's step; an injected kill or straggler delay
         t0 = ctx.tracer.now()
@@ -54,14 +57,16 @@ def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
             report = measure_memory(lambda mark: holder.setdefault("loss", step_fn(s, mark)),
                                     model, opt, device, track=track)
             losses.append(holder["loss"])
-            if cfg.steps == 1:
+            if cfg.steps - start == 1:
                 times.append(ctx.tracer.now() - t0)
             for e in ctx.tracer.events:
                 if e.step == s:
                     e.args["instrumented"] = "memory"
-            continue
-        losses.append(step_fn(s, lambda label: None))
-        times.append(ctx.tracer.now() - t0)
+        else:
+            losses.append(step_fn(s, lambda label: None))
+            times.append(ctx.tracer.now() - t0)
+        if after_step is not None:
+            after_step(s)
     return losses, times, report
 
 
