@@ -9,7 +9,8 @@ through it and reports
   cluster noticing it; the stated bounds are ≤ poll (0.5 s) + 1 s for a kill and
   ≤ ``watchdog_s`` + poll for a hang;
 * recovery: detection → the restarted pool ready (spawn, import torch, join the group);
-* lost work: the steps since the last checkpoint (none here: from step 0) × step time;
+* lost work: the steps since the last snapshot × step time (from step 0 without one;
+  "kill+resume" saves every 2 steps and resumes from the last, labkit.snapshot);
 * goodput: kept work / wall time of the whole faulted run, beside the clean run's.
 
 Then the planner (labkit.faults.goodput): expected goodput against the checkpoint interval
@@ -22,13 +23,14 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-FAULTS = {"kill": "kill@3:rank1", "hang": "hang@3:rank1", "skip": "skip@3:rank1",
-          "slow": "slow@1:rank1:seconds=0.2"}
+FAULTS = {"kill": "kill@3:rank1", "kill+resume": "kill@3:rank1", "hang": "hang@3:rank1",
+          "skip": "skip@3:rank1", "slow": "slow@1:rank1:seconds=0.2"}
 
 
 def main() -> None:
@@ -44,7 +46,7 @@ def main() -> None:
     from labkit.faults.straggler import stragglers
 
     base = RunConfig(parallel=dict(dp=2), steps=6, global_batch=4, measure_memory=False,
-                     count_flops=False, timeout_s=120, watchdog_s=args.watchdog)
+                     count_flops=False, timeout_s=120)
     rows = {k: [] for k in FAULTS}
     with Cluster(2, replace=False) as c:
         c.run(jobs.train, base)  # warm
@@ -54,29 +56,37 @@ def main() -> None:
         clean_good = base.steps * clean.metrics[0]["step_time_s"] / clean_wall
         for _ in range(args.reps):
             for kind, spec in FAULTS.items():
+                cfg = base.replace(fault=spec)
+                if kind in ("hang", "skip"):
+                    cfg = cfg.replace(watchdog_s=args.watchdog)
+                if kind == "kill+resume":  # snapshots every 2 steps: resume after step 2
+                    cfg = cfg.replace(save_dir=tempfile.mkdtemp(prefix="labkit-bench-"),
+                                      save_every=2)
                 t0 = time.perf_counter()
-                run = run_resilient(c, base.replace(fault=spec))
+                run = run_resilient(c, cfg, resume=kind == "kill+resume")
                 wall = time.perf_counter() - t0
-                assert run.result.losses == clean.losses, kind  # same run, from step 0
+                first = run.result.metrics[0].get("first_step", 0)
+                assert run.result.losses == clean.losses[first:], kind  # the same run
                 cost = run.faults[0] if run.faults else None
                 rows[kind].append((cost, wall, run.goodput,
                                    str(stragglers(run.result.trace, 0.1, 1))))
                 c.run(jobs.train, base)  # re-warm the ranks (a fresh pool builds caches)
     print(f"clean run: {base.steps} steps, wall {clean_wall:.2f} s, goodput {clean_good:.2f}")
-    print(f"{'fault':>6} {'detect s':>9} {'recovery s':>11} {'lost s':>7} {'wall s':>7} "
+    print(f"{'fault':>11} {'detect s':>9} {'recovery s':>11} {'lost s':>7} {'wall s':>7} "
           f"{'goodput':>8}  what")
     for kind, rs in rows.items():
         for cost, wall, good, strag in rs:
             if cost is None:
-                print(f"{kind:>6} {'—':>9} {'—':>11} {'—':>7} {wall:>7.2f} {good:>8.2f}  {strag}")
+                print(f"{kind:>11} {'—':>9} {'—':>11} {'—':>7} {wall:>7.2f} {good:>8.2f}  {strag}")
             else:
-                print(f"{kind:>6} {cost.detect_s:>9.2f} {cost.recovery_s:>11.2f} "
+                print(f"{kind:>11} {cost.detect_s:>9.2f} {cost.recovery_s:>11.2f} "
                       f"{cost.lost_s:>7.2f} {wall:>7.2f} {good:>8.2f}  {cost.kind} rank "
                       f"{cost.rank} step {cost.step}")
-    for kind in ("kill", "hang", "skip"):
+    for kind in ("kill", "kill+resume", "hang", "skip"):
         det = [r[0].detect_s for r in rows[kind] if r[0] is not None]
         rec = [r[0].recovery_s for r in rows[kind] if r[0] is not None]
         if det:
+            kind = kind.replace("+", "_")
             print(f"RESULT fault_{kind}_detect_s {statistics.median(det):.3f}")
             print(f"RESULT fault_{kind}_recovery_s {statistics.median(rec):.3f}")
     restart = statistics.median(r[0].recovery_s for k in ("kill", "hang", "skip")

@@ -27,7 +27,7 @@ from labkit.faults.watch import CollectiveHang, RankDied
 
 from jobs_faults import SkipConfig, all_reduce_steps
 
-BASE = RunConfig(parallel=dict(dp=2), steps=3, global_batch=4, measure_memory=False,
+BASE = RunConfig(parallel=dict(dp=2), steps=4, global_batch=4, measure_memory=False,
                  count_flops=False, timeout_s=60)
 
 
@@ -39,7 +39,7 @@ def test_fault_strings_parse_and_bad_ones_are_refused_naming_the_numbers():
     assert parse_faults(str(f)) == (f,)
     assert [x.kind for x in parse_faults("kill@1:rank0, slow@0:rank1:seconds=0.5")] == \
         ["kill", "slow"]
-    bad = {"kill@9:rank1": "step=9 is outside the run's steps 0..2",
+    bad = {"kill@9:rank1": "step=9 is outside the run's steps 0..3",
            "kill@1:rank2": "rank=2 is outside the job's ranks 0..1",
            "melt@1:rank0": "kind 'melt'", "kill@1": "KIND@STEP:rankR",
            "skip@1:rank0:op=gather": "op='gather'", "kill@0:rank0:colour=red": "unknown option",
@@ -174,14 +174,17 @@ def test_c39_llama3_interruptions_worked_example():
     assert llama3_example(unplanned_only=False)["mtbf_s"] < ex["mtbf_s"]
 
 
-def test_resume_needs_checkpoint_fields_and_says_so():
-    with pytest.raises(ValueError, match="needs distributed checkpoints"):
+def test_resume_starts_at_the_last_snapshot_before_the_fault():
+    with pytest.raises(ValueError, match="needs save_dir"):
         resume_config(BASE, 2)
+    cfg = BASE.replace(steps=9, save_dir="/tmp/x", save_every=3)
+    assert [(c.resume, s) for c, s in (resume_config(cfg, k) for k in (0, 2, 3, 5, 8))] == \
+        [(False, 0), (False, 0), (True, 3), (True, 3), (True, 6)]
 
 
 # ----------------------------------------------------------------------- on the warm ranks
 @pytest.mark.distributed
-def test_faults_on_the_warm_cluster(cluster2):
+def test_faults_on_the_warm_cluster(cluster2, tmp_path):
     clean = cluster2.run(jobs.train, BASE)
     assert clean.metrics[0]["faults_injected"] == []
 
@@ -195,10 +198,10 @@ def test_faults_on_the_warm_cluster(cluster2):
     assert sdc.metrics[1]["faults_injected"] == ["bitflip@1:rank1:target=grad:bit=30:index=0"]
     # the fingerprint's own collectives are in the trace, 8 bytes per rank each
     fps = [e for e in sdc.trace.filter(rank=0, op="all_gather") if "fingerprint" in e.args]
-    assert len(fps) == 2 * 3 + 1  # grads and params every step, plus the re-run's check
+    assert len(fps) == 2 * 4 + 1  # grads and params every step, plus the re-run's check
 
-    # a straggler: rank 0 sleeps 0.3 s per step from step 1; its peer waits for it
-    slow = cluster2.run(jobs.train, BASE.replace(fault="slow@1:rank0:seconds=0.3"))
+    # a straggler: rank 0 sleeps 0.25 s per step from step 1; its peer waits for it
+    slow = cluster2.run(jobs.train, BASE.replace(fault="slow@1:rank0:seconds=0.25"))
     rep = stragglers(slow.trace, threshold_s=0.15, from_step=1)
     assert rep.slow == [0] and rep.lateness_s[0] > 0.15, str(rep)
     assert stragglers(clean.trace, threshold_s=0.15, from_step=1).slow == []
@@ -215,14 +218,16 @@ def test_faults_on_the_warm_cluster(cluster2):
     assert 2.0 <= hang.waited_s < 30.0  # watchdog_s=2; generous bound
     assert cluster2.faults[-1] is err.value.fault
 
-    # a SIGKILLed rank at step 2: named, the pool restarted, the job completed again
+    # a SIGKILLed rank at step 3: named, the pool restarted, resumed from the snapshot
+    # after step 2 (labkit.snapshot); the resumed losses are the uninterrupted run's
     seen = []
-    run = run_resilient(cluster2, SkipConfig(steps=4, fault="kill@2:rank1"),
-                        job=all_reduce_steps,
+    run = run_resilient(cluster2, BASE.replace(fault="kill@3:rank1", save_dir=str(tmp_path),
+                                               save_every=2), resume=True,
                         on_fault=lambda cost, exc: seen.append((cost, exc)))
     (cost, exc), = seen
-    assert isinstance(exc, RankDied) and "killed by SIGKILL in step 2" in str(exc)
+    assert isinstance(exc, RankDied) and "killed by SIGKILL in step 3" in str(exc)
     assert exc.fault.extra["exitcode"] == -9
-    assert (cost.kind, cost.rank, cost.step, cost.lost_steps) == ("killed", 1, 2, 2)
-    assert 0 <= cost.detect_s < 10.0 and cost.recovery_s > 0
-    assert [o for o in run.result.outputs] == [[3.0] * 4] * 2  # 1 + 2 on every step, every rank
+    assert (cost.kind, cost.rank, cost.step, cost.lost_steps) == ("killed", 1, 3, 1)
+    assert 0 <= cost.detect_s < 10.0 and cost.recovery_s > 0 and cost.lost_s > 0
+    assert [m["first_step"] for m in run.result.metrics] == [2, 2]
+    assert run.result.losses == clean.losses[2:]
