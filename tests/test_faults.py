@@ -17,7 +17,7 @@ import pytest
 
 from labkit import jobs
 from labkit.config import RunConfig
-from labkit.faults import FaultSpec, parse_faults
+from labkit.faults import parse_faults
 from labkit.faults.goodput import (LLAMA3, daly_interval, expected_goodput, llama3_example,
                                    young_interval)
 from labkit.faults.recover import resume_config, run_resilient

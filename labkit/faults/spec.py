@@ -89,7 +89,7 @@ def _parse_one(text: str) -> FaultSpec:
         raise ValueError(f"fault {text!r} is not of the form KIND@STEP:rankR[:key=value...] "
                          f"(e.g. 'kill@3:rank1'); kinds: {', '.join(KINDS)}")
     kind, step, rank, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
-    known = {f.name: f.type for f in fields(FaultSpec)} 
+    known = {f.name for f in fields(FaultSpec)}
     kw: dict = {}
     for item in filter(None, rest.split(":")):
         key, eq, val = item.partition("=")
