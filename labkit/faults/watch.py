@@ -31,6 +31,8 @@ __all__ = ["FaultEvent", "RankDied", "CollectiveHang", "Watch", "DEATH_GRACE_S",
 
 #: after a rank reports an error, seconds to wait for a peer's process to be seen dead
 DEATH_GRACE_S = 1.0
+#: after any other rank error, seconds to look for a dead process
+SHORT_GRACE_S = 0.3
 #: words of a gloo error caused by a peer that went away
 _LOST_PEER = ("connection closed", "connection reset", "broken pipe", "peer", "gloo",
               "timed out")
@@ -125,9 +127,11 @@ class Watch:
         wait up to ``grace_s`` for the peer that caused it to be seen dead."""
         now = time.perf_counter()
         sentinels = [p.sentinel for p in self.procs]
-        if all(p.is_alive() for p in self.procs) and any(
-                w in error.lower() for w in _LOST_PEER):
-            mp_wait(sentinels, grace_s)
+        if all(p.is_alive() for p in self.procs):
+            # a peer's failure reported first: give the dead process time to be seen (a
+            # short look for any error; the lost-connection ones wait the full grace)
+            lost = any(w in error.lower() for w in _LOST_PEER)
+            mp_wait(sentinels, grace_s if lost else SHORT_GRACE_S)
         dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
         if not dead:
             return None
