@@ -36,7 +36,7 @@ class ResilientRun:
         faults: one :class:`~labkit.faults.goodput.FaultCost` per failed attempt.
         errors: the exception each failed attempt raised, as text (first line).
         wall_s: seconds from the first dispatch to the last result.
-        useful_s: the kept work: ``steps × step time`` of the successful attempt.
+        useful_s: the kept work: ``steps ×`` the mean step time of the successful attempt.
     """
 
     result: RunResult
@@ -143,7 +143,12 @@ def run_resilient(cluster, cfg, job: Any = None, *, max_restarts: int = 2,
 
 
 def _step_time(result) -> float:
-    """Median step seconds of the successful attempt (rank 0's, all ranks step together)."""
-    m = result.metrics[0] if result is not None and result.metrics else {}
-    t = m.get("step_time_s")
-    return float(t) if t == t and t is not None else 0.0
+    """Mean step seconds of the successful attempt's timed steps (the slowest rank's: all
+    ranks step together). The mean, not the median, so that ``steps ×`` it is the time the
+    steps took even when some were slower (a straggler's)."""
+    means = []
+    for m in (result.metrics if result is not None else []):
+        times = [t for t in m.get("step_times", []) if t == t]
+        if times:
+            means.append(sum(times) / len(times))
+    return max(means) if means else 0.0
