@@ -127,6 +127,7 @@ def _check_run(cfg, world_size: Optional[int]) -> None:
     _pipeline(cfg, mc)
     _composition(cfg, mc)
     _rank_limits(cfg)
+    _faults(cfg)
     _snapshot(cfg)
 
 
@@ -394,3 +395,26 @@ def _rank_limits(cfg) -> None:
                          "every replica would be one shard, and PyTorch's FSDP2 mesh "
                          "(replicate, shard) is built here with a shard degree > 1; use "
                          "hsdp_replicas < dp or impl='labkit'")
+
+
+def _faults(cfg) -> None:
+    """Injected faults, the watchdog and the replica fingerprint (labkit.faults)."""
+    from .faults.spec import check_faults
+
+    p = cfg.parallel
+    check_faults(cfg.faults, p.world_size, cfg.steps, dp=p.dp, zero_stage=cfg.zero_stage,
+                 pp=p.pp, impl=cfg.impl)
+    if cfg.watchdog_s is not None:
+        _number(cfg.watchdog_s, "watchdog_s", 0, strict=True)
+        if cfg.watchdog_s >= cfg.timeout_s:
+            raise ValueError(f"watchdog_s={cfg.watchdog_s:g} must be below timeout_s="
+                             f"{cfg.timeout_s:g}, or the job's timeout fires first")
+    f = cfg.fingerprint_every
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise ValueError(f"fingerprint_every must be an int >= 0 (0: off), got {f!r}")
+    if f and (p.dp < 2 or cfg.zero_stage != 0 or p.pp != 1 or cfg.impl != "labkit"):
+        raise ValueError(
+            f"fingerprint_every={f} compares full data-parallel replicas: it needs dp >= 2 "
+            f"with zero_stage=0, pp=1 and impl='labkit' (got dp={p.dp}, zero_stage="
+            f"{cfg.zero_stage}, pp={p.pp}, impl={cfg.impl!r}); ZeRO and pipeline shards "
+            "differ by design")

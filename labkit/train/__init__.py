@@ -27,6 +27,7 @@ import torch
 
 from .. import comm
 from ..config import RunConfig
+from ..faults import inject
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
@@ -86,6 +87,8 @@ def run(ctx, cfg: RunConfig) -> dict:
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
             if cfg.model_config.n_experts else None
+        inject.arm(cfg.faults, ctx.rank)
+        stack.callback(inject.disarm)
         shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
                                           ctx.device, track=setup.track, start=start,
                                           after_step=_saver(ctx, setup, snapshots))
@@ -116,7 +119,11 @@ def run(ctx, cfg: RunConfig) -> dict:
                                       for m in setup.stages.values()
                                       for b in getattr(m, "layers", [])),
                # what this warm rank took from its cache instead of building or measuring
-               "reused": list(setup.reused), "first_step": start}
+               "reused": list(setup.reused), "first_step": start,
+               # labkit.faults: what was injected on this rank, and the replica fingerprint
+               "faults_injected": [str(f) for f in cfg.faults if f.rank == ctx.rank]}
+    if getattr(step, "sdc", None) is not None:
+        metrics["sdc"] = step.sdc.summary()
     if snapshots:
         metrics["snapshot"] = snapshots
     if noise is not None:
