@@ -7,7 +7,12 @@ its process group initialised, and ``run`` ships (job, config) to them over pipe
 Faults never hang the caller: a rank that raises becomes :class:`RankError` carrying the
 remote traceback, a job past its timeout becomes ``TimeoutError``, a kernel interrupt
 cancels the job (:class:`JobCancelled`, one line); in each case the ranks are killed and a
-fresh pool starts in the background, so the next ``run`` works. A pool that cannot start
+fresh pool starts in the background, so the next ``run`` works. A rank *process* that
+died (SIGKILL, out of memory) is named as :class:`~labkit.faults.watch.RankDied` even when
+a peer's failed collective reported first, and a job with ``watchdog_s`` whose ranks wait
+in one collective longer than that raises :class:`~labkit.faults.watch.CollectiveHang`
+saying which rank hung where (labkit's flight recorder, :mod:`labkit.faults.recorder`);
+:attr:`Cluster.faults` keeps what was detected. A pool that cannot start
 says why as soon as it is known, naming the stage each rank reached
 (:mod:`labkit.startup`).
 
@@ -30,6 +35,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
 from .config import RunConfig
+from .faults.watch import CollectiveHang, FaultEvent, RankDied, Watch
 from .preflight import check_run_fits, check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
@@ -98,6 +104,8 @@ class Cluster:
         self._ids = itertools.count()
         self.info: list = []
         self.restarts = 0
+        #: :class:`labkit.faults.watch.FaultEvent` s detected so far, oldest first
+        self.faults: list = []
         self.replace = bool(replace)
         self._successor: Optional[weakref.ref] = None
         self._start()
@@ -348,7 +356,8 @@ class Cluster:
             started = True
             for c in self._conns:
                 c.send(("run", job_id, module, qualname, config, nranks))
-            outputs, events = self._collect(job_id, name, t0 + timeout_s, timeout_s)
+            watch = Watch(self._tmp, self._procs, nranks, getattr(config, "watchdog_s", None))
+            outputs, events = self._collect(job_id, name, t0 + timeout_s, timeout_s, watch)
         except KeyboardInterrupt:
             self.restart()
             what = (f"job {name} cancelled on {nranks} rank{'s' if nranks > 1 else ''}"
@@ -357,15 +366,23 @@ class Cluster:
         return RunResult(config, [outputs[r] for r in range(nranks)], Trace.merge(events),
                          time.perf_counter() - t0, name)
 
-    def _collect(self, job_id, name, deadline, timeout_s):
+    def _collect(self, job_id, name, deadline, timeout_s, watch: "Watch"):
         outputs, events = {}, []
         pending = set(range(self.world_size))
         while pending:
             left = deadline - time.perf_counter()
             if left <= 0:
+                hang = watch.hang(force=True)
+                self._fault(hang)
                 self.restart()
+                where = f"\n{hang.message}" if hang else ""
                 raise TimeoutError(f"job {name} did not finish within {timeout_s} s on ranks "
-                                   f"{sorted(pending)}; the cluster was restarted")
+                                   f"{sorted(pending)}; the cluster was restarted{where}")
+            hang = watch.hang()
+            if hang is not None:  # a rank waited in a collective longer than watchdog_s
+                self._fault(hang)
+                self.restart()
+                raise CollectiveHang(hang)
             kind, rank, payload = self._next_message(pending, min(left, 0.5))
             if kind == "result":
                 outputs[rank] = payload["output"]
@@ -374,9 +391,22 @@ class Cluster:
             elif kind == "idle":
                 pending.discard(rank)
             elif kind == "error":
+                # a killed rank makes its peers' collectives fail too: name the dead one
+                died = watch.death(payload)
+                self._fault(died or FaultEvent("error", rank, -1, time.perf_counter(),
+                                               message=payload.strip().splitlines()[-1]
+                                               if payload.strip() else ""))
                 self.restart()
+                if died is not None:
+                    raise RankDied(died, payload, name)
                 raise RankError(rank, payload, name)
         return outputs, events
+
+    def _fault(self, event) -> None:
+        """Keep the last faults detected (:attr:`faults`), for goodput accounting."""
+        if event is not None:
+            self.faults.append(event)
+            del self.faults[:-100]
 
 
 @atexit.register

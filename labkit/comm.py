@@ -35,6 +35,7 @@ carry the payload each call really handed to the backend: ``args["bytes"] == "me
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -43,6 +44,8 @@ import torch.distributed as dist
 from . import comm_release
 from .comm_handle import Handle
 from .comm_release import refs
+from .faults import inject as _inject
+from .faults import recorder as _recorder
 from .trace import COMM, P2P, Event, current_tracer
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_list",
@@ -100,8 +103,14 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
         event = Event(tracer.rank, op_name, cat, tracer.now(), 0.0, op=op_name,
                       bytes_sent=float(sent), bytes_recv=float(recv), axis=axis,
                       peers=tuple(peers), args=args)
+    if _inject._armed and _inject.on_collective(op_name):
+        return Handle(None, None) if async_op else None  # an injected fault: skipped
+    rec, slot = _recorder._ACTIVE, None
+    if rec is not None and cat == COMM:  # readable by the parent while this rank is stuck
+        slot = rec.enter(op_name, tuple(peers), int(args.get("numel", 0)), time.perf_counter())
     before = refs(tensors) if comm_release.active() else None
-    handle = Handle(call(True), event, finish, tensors, before)  # the only reference to the work
+    handle = Handle(call(True), event, finish, tensors, before,  # the only reference to the work
+                    recorded=slot)
     if async_op:
         return handle
     handle.wait()

@@ -1,12 +1,14 @@
 """An in-flight communication op: :class:`Handle` (what :mod:`labkit.comm` returns)."""
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Optional, Sequence
 
 import torch
 
 from .comm_release import wait_released
+from .faults import recorder as _recorder
 from .trace import Event, current_tracer
 
 __all__ = ["Handle"]
@@ -28,8 +30,10 @@ class Handle:
     """
 
     def __init__(self, work, event: Optional[Event], finish=None,
-                 tensors: Sequence[torch.Tensor] = (), before: Optional[list] = None):
+                 tensors: Sequence[torch.Tensor] = (), before: Optional[list] = None,
+                 recorded: Optional[int] = None):
         self._work, self._event, self._finish, self._done = work, event, finish, False
+        self._recorded = recorded  # this op's slot in the rank's flight record
         self._tracer = current_tracer()  # wait() may run on another thread (a future callback)
         # weak: a tensor the caller drops in flight is the backend's to free, as before
         self._tensors: tuple = ()
@@ -63,6 +67,8 @@ class Handle:
         if self._finish is not None:
             self._finish()
         self._done, self._tensors = True, ()
+        if self._recorded is not None and _recorder._ACTIVE is not None:
+            _recorder._ACTIVE.exit(self._recorded, time.perf_counter())
         tracer = self._tracer
         if self._event is not None and tracer is not None:
             self._event.end = tracer.now()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["ModelConfig", "ParallelConfig", "RunConfig", "PRESETS", "preset", "COUNT_ONLY"]
 
@@ -241,6 +241,17 @@ class RunConfig:
         timeout_s: seconds before a hung job is cancelled.
         return_state: every rank returns the full fp32 parameters by name.
         return_grads: every rank returns the first step's full gradients by name.
+        fault: faults to inject (:mod:`labkit.faults.spec`): ``"kill@3:rank1"``,
+            ``"hang@2:rank0"``, ``"skip@1:rank1"``, ``"slow@0:rank3:seconds=0.3"``,
+            ``"bitflip@2:rank1:target=grad"``, several joined by ``,``, or
+            :class:`~labkit.faults.FaultSpec` s; checked by :meth:`validate`.
+        watchdog_s: seconds a rank may wait inside one collective before the cluster
+            declares a hang, names the rank and the collective
+            (:class:`~labkit.faults.watch.CollectiveHang`) and restarts; ``None``: only
+            ``timeout_s`` ends a hung job.
+        fingerprint_every: every this many steps, data-parallel replicas all-gather a
+            checksum of their reduced gradients and parameters and compare (silent data
+            corruption, :mod:`labkit.faults.sdc`); 0 (default) is off.
         save_dir: folder for snapshots of the whole training state (:mod:`labkit.snapshot`:
             parameters and AdamW state in their shards, step, RNG) written with
             ``torch.distributed.checkpoint``; ``None`` saves nothing. Not activation
@@ -250,6 +261,11 @@ class RunConfig:
         resume: ``True`` continues from the latest complete snapshot in ``save_dir``; a
             path, from that snapshot (or the latest in that folder). Any valid layout of
             the same model loads it (resharded); ``steps`` still counts from the run's start.
+        noise_scale: measure the gradient noise scale ``B_simple`` (the critical batch
+            size) from each rank's local gradient before the data-parallel reduction and
+            the reduced one after it (McCandlish et al. 2018, A.1); per step in
+            ``metrics["noise_scale"]`` (:mod:`labkit.train.noise_scale`). Needs dp > 1 at
+            zero_stage 0 or 1 (no HSDP) with impl='labkit', tp = pp = cp = 1 and a dense model.
     """
 
     model: ModelConfig | str = "tiny"
@@ -285,9 +301,13 @@ class RunConfig:
     timeout_s: float = 120.0
     return_state: bool = False
     return_grads: bool = False
+    fault: Any = None
+    watchdog_s: Optional[float] = None
+    fingerprint_every: int = 0
     save_dir: Optional[str] = None
     save_every: int = 0
     resume: bool | str = False
+    noise_scale: bool = False
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -298,6 +318,20 @@ class RunConfig:
     def planning_only(self) -> bool:
         """True for a preset too large to build on one machine (planning and counting)."""
         return isinstance(self.model, str) and self.model in COUNT_ONLY
+
+    @property
+    def faults(self) -> tuple:
+        """``fault`` as a tuple of :class:`~labkit.faults.FaultSpec` (empty: none).
+
+        Raises:
+            ValueError: ``fault`` is not of the form ``KIND@STEP:rankR[:key=value…]``.
+        """
+        from .faults.spec import parse_faults
+
+        try:
+            return parse_faults(self.fault)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"fault={self.fault!r}: {exc}") from None
 
     @property
     def local_batch(self) -> int:
@@ -371,6 +405,8 @@ class RunConfig:
         # ParallelConfig so that it stays frozen and hashable
         if isinstance(self.parallel, dict):
             object.__setattr__(self, "parallel", ParallelConfig(**self.parallel))
+        if isinstance(self.fault, list):  # frozen and hashable: a tuple
+            object.__setattr__(self, "fault", tuple(self.fault))
 
     def replace(self, **changes) -> "RunConfig":
         """Copy with ``changes``; ``dp=``, ``tp=``, ``pp=``, ``cp=``, ``ep=`` go to

@@ -127,6 +127,7 @@ def _check_run(cfg, world_size: Optional[int]) -> None:
     _pipeline(cfg, mc)
     _composition(cfg, mc)
     _rank_limits(cfg)
+    _faults(cfg)
     _snapshot(cfg)
 
 
@@ -161,7 +162,8 @@ def _fields(cfg) -> None:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, known))}, got "
                              f"{getattr(cfg, name)!r}{hint}")
     for name in ("prefetch", "keep_last", "find_unused", "sequence_parallel", "cp_zigzag",
-                 "compile", "measure_memory", "count_flops", "return_state", "return_grads"):
+                 "compile", "measure_memory", "count_flops", "return_state", "return_grads",
+                 "noise_scale"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
 
@@ -284,6 +286,36 @@ def _torch_schedule_rules(cfg) -> None:
                          f"microbatches={cfg.flush_microbatches})")
 
 
+def _noise_scale(cfg, mc) -> None:
+    """``noise_scale=True`` reads the local gradient before the reduction and the reduced
+    one after it (:mod:`labkit.train.noise_scale`): where a rank's gradient is not one
+    data replica's whole-model gradient, or no rank holds it, the two norms would be of
+    something else, so the compositions not yet measured are refused."""
+    if not cfg.noise_scale:
+        return
+    p = cfg.parallel
+    why = None
+    if p.dp < 2:
+        why = (f"it compares each data rank's local gradient with the all-reduced one, and "
+               f"dp={p.dp} gives one batch size only")
+    elif cfg.zero_stage >= 2:
+        why = (f"zero_stage={cfg.zero_stage} drops each unit's full local gradient once its "
+               "reduce-scatter completes inside backward; measured at zero_stage 0 and 1")
+    elif cfg.hsdp_replicas > 1:
+        why = (f"hsdp_replicas={cfg.hsdp_replicas} reduces over two groups; measured with one "
+               "shard group over all data ranks")
+    elif cfg.impl != "labkit":
+        why = "PyTorch's DDP reduces inside backward, so no local gradient is left to read"
+    elif p.tp > 1 or p.pp > 1 or p.cp > 1:
+        why = (f"a rank holds part of the model or of the sequence (tp={p.tp}, pp={p.pp}, "
+               f"cp={p.cp}); measured with pure data parallelism only")
+    elif mc.n_experts:
+        why = (f"a mixture of experts (n_experts={mc.n_experts}) reduces its experts over "
+               "another group; measured for dense models only")
+    if why:
+        raise ValueError(f"noise_scale=True cannot be honoured: {why}")
+
+
 def _composition(cfg, mc) -> None:
     p, z = cfg.parallel, cfg.zero_stage
     _refuse_unless(cfg, p.pp > 1, ("schedule", "microbatches", "virtual_stages"),
@@ -301,6 +333,7 @@ def _composition(cfg, mc) -> None:
     _refuse_unless(cfg, p.dp * p.cp > 1, ("dp_mode", "bucket_mb"),
                    f"there is one data rank (dp x cp = {p.dp} x {p.cp} = 1): no gradient is "
                    "reduced across ranks")
+    _noise_scale(cfg, mc)
     _refuse_unless(cfg, cfg.checkpoint == "every", ("checkpoint_every",),
                    f"it sets the segment length of checkpoint='every' (got {cfg.checkpoint!r})")
     if p.pp > 1 and z >= 1 and cfg.schedule in ("zb-h1", "zb-v"):
@@ -362,3 +395,26 @@ def _rank_limits(cfg) -> None:
                          "every replica would be one shard, and PyTorch's FSDP2 mesh "
                          "(replicate, shard) is built here with a shard degree > 1; use "
                          "hsdp_replicas < dp or impl='labkit'")
+
+
+def _faults(cfg) -> None:
+    """Injected faults, the watchdog and the replica fingerprint (labkit.faults)."""
+    from .faults.spec import check_faults
+
+    p = cfg.parallel
+    check_faults(cfg.faults, p.world_size, cfg.steps, dp=p.dp, zero_stage=cfg.zero_stage,
+                 pp=p.pp, impl=cfg.impl)
+    if cfg.watchdog_s is not None:
+        _number(cfg.watchdog_s, "watchdog_s", 0, strict=True)
+        if cfg.watchdog_s >= cfg.timeout_s:
+            raise ValueError(f"watchdog_s={cfg.watchdog_s:g} must be below timeout_s="
+                             f"{cfg.timeout_s:g}, or the job's timeout fires first")
+    f = cfg.fingerprint_every
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise ValueError(f"fingerprint_every must be an int >= 0 (0: off), got {f!r}")
+    if f and (p.dp < 2 or cfg.zero_stage != 0 or p.pp != 1 or cfg.impl != "labkit"):
+        raise ValueError(
+            f"fingerprint_every={f} compares full data-parallel replicas: it needs dp >= 2 "
+            f"with zero_stage=0, pp=1 and impl='labkit' (got dp={p.dp}, zero_stage="
+            f"{cfg.zero_stage}, pp={p.pp}, impl={cfg.impl!r}); ZeRO and pipeline shards "
+            "differ by design")

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 __all__ = ["RankContext", "worker_main", "resolve_job", "job_reference", "check_config",
-           "context_from_env", "release_memory", "job_hooks_removed", "required_groups"]
+           "context_from_env", "release_memory", "job_hooks_removed", "required_groups",
+           "recorder_path"]
 
 
 @dataclass
@@ -215,8 +216,14 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
         return
     conn.send(("ready", None, rank, {"pid": os.getpid(), "device": str(device),
                                      "threads": torch.get_num_threads()}))
+    from .faults.recorder import open_recorder
     from .mesh import ProcessGroups, mesh_from
 
+    # the flight record the parent reads when this rank is stuck (labkit.faults.recorder)
+    flight = open_recorder(recorder_path(store_path, rank))
+    if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        threading.Thread(target=_dump_torch_fr, args=(flight, store_path, rank),
+                         daemon=True).start()
     groups = ProcessGroups()
     cache: dict = {}
     import gc
@@ -231,6 +238,7 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
         if kind == "close":
             break
         module, qualname, config, nranks = msg[2:]
+        flight.begin_job(job_id)
         try:
             # every rank, idle ones too, creates the job's groups in the same order, once
             # per pool: new_group is collective over the whole world
@@ -266,6 +274,29 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
     # No destroy_process_group(): it waits for peers that may already be gone, and the
     # process is ending anyway. Exit at once, skipping interpreter teardown.
     os._exit(0)
+
+
+def recorder_path(store_path: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose store is ``store_path`` keeps its flight record."""
+    return os.path.join(os.path.dirname(store_path), f"flight{rank}")
+
+
+def _dump_torch_fr(flight, store_path: str, rank: int) -> None:
+    """Write torch's Flight Recorder to ``torch_fr{rank}.pkl`` when the parent asks: this
+    thread runs while the main thread is blocked inside a collective (gloo's wait releases
+    the GIL)."""
+    import torch._C._distributed_c10d as c10d
+
+    while True:
+        time.sleep(0.1)
+        if flight.dump_requested():
+            try:
+                data = c10d._dump_fr_trace()
+                with open(os.path.join(os.path.dirname(store_path), f"torch_fr{rank}.pkl"),
+                          "wb") as f:
+                    f.write(data)
+            finally:
+                flight.dump_done()
 
 
 @contextlib.contextmanager

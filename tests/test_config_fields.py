@@ -36,7 +36,9 @@ VALUES = {
     "cp_zigzag": False, "checkpoint": "full", "checkpoint_every": 2, "precision": "bf16",
     "compile": True, "impl": "torch", "measure_memory": False, "count_flops": False,
     "timeout_s": 5.0, "return_state": True, "return_grads": True,
+    "fault": "bitflip@1:rank1", "watchdog_s": 30.0, "fingerprint_every": 1,
     "save_dir": "/nonexistent/labkit-snapshots", "save_every": 1, "resume": True,
+    "noise_scale": True,
 }
 #: where each field must take effect: (composition, extra fields)
 EFFECT = {
@@ -53,6 +55,8 @@ EFFECT = {
     "precision": ("dp2", {}), "compile": ("dp1", {}), "impl": ("dp2", {}),
     "measure_memory": ("dp1", {}), "count_flops": ("dp1", {}), "return_state": ("dp1", {}),
     "return_grads": ("dp1", {}),
+    "noise_scale": ("dp2", {}),
+    "fault": ("dp2", {}), "fingerprint_every": ("dp2", {}),
 }
 #: fields whose effect a run's result cannot show, and the test that shows it
 ELSEWHERE = {
@@ -62,6 +66,8 @@ ELSEWHERE = {
     "find_unused": "tests/test_dp.py::test_unused_parameter_is_named_not_hung (the GPT "
                    "uses every parameter)",
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
+    "watchdog_s": "tests/test_faults.py::test_faults_on_the_warm_cluster (a cluster-side "
+                  "hang detector: a finished run never met it)",
     "save_dir": "writes files, read back by tests/test_snapshot.py (the snapshot matrix)",
     "save_every": "tests/test_snapshot.py::test_save_every_and_write_then_rename",
     "resume": "tests/test_snapshot.py (resumed runs match the uninterrupted ones)",

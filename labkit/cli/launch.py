@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -32,15 +33,38 @@ def cmd_run(args) -> int:
     from .report import report
 
     t0 = time.perf_counter()
+    faults: list = []
     try:
         with Cluster(world_size=r.world_size) as cluster:
-            result = cluster.run(train, r.cfg)
+            if r.cfg.faults:  # injected: detect, restart once, run again without them
+                from ..faults.recover import run_resilient
+
+                def said(cost, exc) -> None:
+                    faults.append(cost)  # its lost work is filled in at the end
+                    print(f"fault detected: {str(exc).strip().splitlines()[0]}; pool "
+                          f"restarted in {cost.recovery_s:.1f} s, running again",
+                          file=sys.stderr)
+
+                result = run_resilient(cluster, r.cfg, train, max_restarts=1,
+                                       on_fault=said,  # from the last snapshot if saving
+                                       resume=bool(r.cfg.save_dir and r.cfg.save_every)
+                                       ).result
+            else:
+                result = cluster.run(train, r.cfg)
             backend = cluster.backend
     except (RankError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     info = {"launcher": "cluster", "backend": backend, "wall_s": time.perf_counter() - t0,
             **r.notes}
+    if r.cfg.faults:
+        from ..faults.straggler import stragglers
+
+        info["faults"] = [dataclasses.asdict(c) for c in faults]
+        info["stragglers"] = str(stragglers(result.trace, from_step=1))
+    sdc = [e["text"] for e in result.metrics[0].get("sdc", {}).get("events", [])]
+    if sdc:
+        info["silent_data_corruption"] = sdc
     if args.trace:
         result.trace.to_chrome(args.trace)
         info["trace"] = args.trace

@@ -94,6 +94,15 @@ def render(cfg, outputs: list, info: dict, pipe: dict = None, console=None) -> N
         from .pipeline import render_bubble
 
         render_bubble(console, cfg, pipe, info)
+    for f in info.get("faults", []):
+        detect = "—" if f["detect_s"] is None else f"{f['detect_s']:.2f} s"
+        console.print(f"fault: {f['kind']} rank {f['rank']} at step {f['step']} · detected "
+                      f"after {detect} · recovered in {f['recovery_s']:.1f} s · lost "
+                      f"{f['lost_steps']} step(s), {f['lost_s']:.2f} s of work")
+    if info.get("stragglers"):
+        console.print(info["stragglers"])
+    for text in info.get("silent_data_corruption", []):
+        console.print(f"silent data corruption caught: {text}")
     losses = outputs[0]["losses"]
     tail = f" · trace → {info['trace']}" if info.get("trace") else ""
     first = metrics[0].get("first_step", 0)

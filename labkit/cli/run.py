@@ -51,6 +51,7 @@ _MODEL, _DP, _PP, _ND, _SPEED = ("model and batch", "data parallelism and ZeRO",
                                  "pipeline parallelism",
                                  "tensor, context and expert parallelism",
                                  "activations, precision, implementation")
+_FAULTS = "faults (labkit.faults)"
 _SNAP = "snapshots of the training state (labkit.snapshot; not activation checkpointing)"
 
 #: every ``labkit run`` flag and the RunConfig field it sets
@@ -115,6 +116,16 @@ FLAGS: tuple = (
          const=True),
     Flag("--impl", "impl", str, "labkit, or torch: PyTorch's own DDP / FSDP2 / pipelining "
          "as the reference (default labkit)", _SPEED, metavar="{labkit,torch}"),
+    Flag("--fault", "fault", str, "inject faults: KIND@STEP:rankR[:key=value...] joined by "
+         "commas; kinds kill, hang, skip, slow, bitflip (e.g. kill@2:rank1, "
+         "slow@0:rank1:seconds=0.3, bitflip@1:rank1:target=grad). The run is restarted once "
+         "after a detected fault", _FAULTS, metavar="SPEC"),
+    Flag("--watchdog", "watchdog_s", float, "seconds a rank may wait inside one collective "
+         "before the hang is diagnosed (which rank, which collective) and the pool restarted "
+         "(default: off)", _FAULTS, metavar="S"),
+    Flag("--fingerprint-every", "fingerprint_every", int, "compare data-parallel replicas' "
+         "gradient and parameter checksums every K steps: silent data corruption "
+         "(default 0: off)", _FAULTS, metavar="K"),
     Flag("--save-dir", "save_dir", str, "folder to save the whole training state in "
          "(every rank its shards, torch.distributed.checkpoint)", _SNAP, metavar="DIR"),
     Flag("--save-every", "save_every", int, "with --save-dir, save after every N steps "
@@ -133,6 +144,8 @@ NOT_FLAGS = {
     "return_state": "the parity tests' full parameters by name: not a report, and every "
                     "rank would send the whole model to rank 0",
     "return_grads": "the parity tests' first-step gradients by name: as return_state",
+    "noise_scale": "a per-step series (B_simple) read from the job's metrics or notebook 02, "
+                   "not a line of the run report",
 }
 
 #: flags that shape the output, not the run
@@ -214,6 +227,10 @@ def resolve(args: argparse.Namespace, torchrun_world: Optional[int] = None,
         cfg = config_from_args(args)
         cfg.parallel.validate()
         if torchrun_world is not None:
+            if "watchdog_s" in vars(args):
+                raise ValueError(f"watchdog_s={cfg.watchdog_s:g} is the own cluster's hang "
+                                 "detector; under torchrun set TORCH_NCCL/gloo timeouts and "
+                                 "torch's Flight Recorder (TORCH_FR_BUFFER_SIZE) instead")
             if "timeout_s" in vars(args):
                 raise ValueError(f"timeout_s={cfg.timeout_s:g} is the own cluster's guard "
                                  "against a hung job; under torchrun the job runs in the "

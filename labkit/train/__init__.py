@@ -27,6 +27,7 @@ import torch
 
 from .. import comm
 from ..config import RunConfig
+from ..faults import inject
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
@@ -37,6 +38,7 @@ from .experts import ep_predicted, recording, routing_summary
 from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
                       predicted_memory, run_steps, steady_step_time)
 from .planned import planned_state
+from .noise_scale import NoiseScaleMeter
 from .step import make_step
 
 __all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
@@ -69,8 +71,9 @@ def run(ctx, cfg: RunConfig) -> dict:
 
         executor, meter = make_executor(setup)
     out: dict = {}
+    noise = NoiseScaleMeter(setup) if cfg.noise_scale else None
     step = make_step(setup, executor, on_synced=_grab_grads(setup, out, ctx.tracer) if cfg.return_grads
-                     else None)
+                     else None, noise=noise)
     if meter is not None:
         from .pipeline import meter_untracked_steps
 
@@ -84,6 +87,8 @@ def run(ctx, cfg: RunConfig) -> dict:
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(recording(setup, ctx.tracer)) \
             if cfg.model_config.n_experts else None
+        inject.arm(cfg.faults, ctx.rank)
+        stack.callback(inject.disarm)
         shares, times, report = run_steps(ctx, cfg, step, setup.memory_module, setup.opt,
                                           ctx.device, track=setup.track, start=start,
                                           after_step=_saver(ctx, setup, snapshots))
@@ -114,9 +119,15 @@ def run(ctx, cfg: RunConfig) -> dict:
                                       for m in setup.stages.values()
                                       for b in getattr(m, "layers", [])),
                # what this warm rank took from its cache instead of building or measuring
-               "reused": list(setup.reused), "first_step": start}
+               "reused": list(setup.reused), "first_step": start,
+               # labkit.faults: what was injected on this rank, and the replica fingerprint
+               "faults_injected": [str(f) for f in cfg.faults if f.rank == ctx.rank]}
+    if getattr(step, "sdc", None) is not None:
+        metrics["sdc"] = step.sdc.summary()
     if snapshots:
         metrics["snapshot"] = snapshots
+    if noise is not None:
+        metrics["noise_scale"] = noise.metrics(ctx)
     if report is not None:
         metrics["memory"] = memory_metrics(report, setup)
     metrics.update(comm_metrics(ctx, setup, timed))

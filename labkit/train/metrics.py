@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ..faults import inject
 from ..measure.memory import measure_memory
 from ..plan.comm import comm_bytes, dp_step_comm_bytes
 from ..plan.memory import model_state_bytes
@@ -49,6 +50,7 @@ def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
     mem_step = cfg.steps - 1 if cfg.measure_memory else None
     for s in range(start, cfg.steps):
         ctx.tracer.step = s
+        inject.on_step(s)  # the flight record's step; an injected kill or straggler delay
         t0 = ctx.tracer.now()
         if s == mem_step:
             holder: dict = {}
