@@ -182,6 +182,8 @@ NOT_ABOUT_VALUES_ON_SCREEN = {
     ("09", "The usual bugs leave errors orders of magnitude larger"): "tools/mutants.py "
                                                                        "plants them",
     ("10", "The check no formula gives"): "describes the method",
+    ("11", "Daly (2006) gave the expected wall time"): "cites the paper; the curve below "
+                                                        "is computed from its formula",
 }
 
 
