@@ -33,9 +33,20 @@ def cmd_run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        with Cluster(world_size=r.world_size) as cluster:
+        from ..nodes import DEFAULT_INTER_NODE
+
+        with Cluster(world_size=r.world_size, nodes=args.nodes,
+                     inter_node=args.inter_node or DEFAULT_INTER_NODE,
+                     latency_ms=args.latency_ms) as cluster:
+            net = cluster.network
+            before = net.link_bytes() if net is not None else None
             result = cluster.run(train, r.cfg)
             backend = cluster.backend
+            if net is not None:
+                after = net.link_bytes()
+                r.notes["nodes"] = {"nodes": cluster.nodes, "inter_node_Bps": cluster.inter_node,
+                                    "link_bytes": {k: after[k] - before[k] for k in after},
+                                    "describe": net.describe()}
     except (RankError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
