@@ -1,0 +1,88 @@
+"""Emulated nodes (labkit.nodes, issue 27): placement, gloo's addresses, the bytes on the
+shaped links, the flat fallback. Timings live in benchmarks/multinode.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import labkit
+from labkit import cluster as cluster_mod
+from labkit import nodes
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def need_nodes() -> None:
+    """Skip where the machine cannot emulate nodes (the reason), except in CI (root)."""
+    reason = nodes.probe()
+    if reason:
+        if _in_ci():
+            pytest.fail(f"{reason} (CI is set, so this is an error, not a skip)",
+                        pytrace=False)
+        pytest.skip(reason)
+
+
+def test_rates_and_placement_are_checked_before_launch():
+    assert nodes.parse_rate("1gbit") == 125e6 and nodes.parse_rate("100mbps") == 100e6
+    assert nodes.parse_rate(5e6) == 5e6
+    for bad in ("fast", "-1mbit", 0, "10 parsecs"):
+        with pytest.raises(ValueError, match="inter_node"):
+            nodes.parse_rate(bad)
+    with pytest.raises(ValueError, match="nodes=3 must divide world_size=4"):
+        labkit.Cluster(4, nodes=3)
+    # consecutive blocks: tp (innermost, adjacent ranks) stays inside a node
+    assert [nodes.node_of(r, 8, 2) for r in range(8)] == [0] * 4 + [1] * 4
+    assert [nodes.node_of(r, 8, 4) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_without_namespaces_the_cluster_says_so_in_one_line_and_runs_flat(monkeypatch, capsys):
+    spawned = []
+
+    def no_network(*a, **k):
+        raise OSError("no emulated nodes: `unshare --net` failed (Operation not permitted)")
+
+    monkeypatch.setattr(cluster_mod, "EmulatedNetwork", no_network)
+    monkeypatch.setattr(cluster_mod, "spawn_ranks",
+                        lambda *a: spawned.append(a) or ([], [], None))
+    c = labkit.Cluster(4, nodes=2, replace=False)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["labkit: no emulated nodes: `unshare --net` failed (Operation not "
+                   "permitted); the ranks run flat"]
+    assert c.network is None and spawned[0][4] is None  # ranks spawned without node specs
+    assert "flat" in c.network_note
+
+
+@pytest.mark.distributed
+def test_two_nodes_place_ranks_bind_gloo_to_node_addresses_and_count_link_bytes():
+    """One 4-rank cluster of 2 nodes: ranks 0,1 share node 0's namespace and 2,3 node 1's;
+    every gloo connection leaves from the rank's node address; a send across the boundary
+    is counted by the sender's tc class (the bytes plus TCP/IP headers, not more), and
+    traffic inside a node crosses no link."""
+    need_nodes()
+    from jobs_nodes import node_facts, send
+
+    with labkit.Cluster(4, nodes=2, inter_node="1gbit", replace=False) as c:
+        facts = c.run(node_facts).outputs
+        assert [f["node"] for f in facts] == ["0", "0", "1", "1"]
+        assert facts[0]["netns"] == facts[1]["netns"] != facts[2]["netns"] == facts[3]["netns"]
+        assert facts[0]["netns"] != os.readlink("/proc/self/ns/net")
+        assert all(f["sum"] == [6.0] * 4 for f in facts)
+        for r, f in enumerate(facts):
+            mine = nodes.node_address(c.node_of(r))
+            assert f["ifname"] == "eth0" and f["tcp"], (r, f)
+            assert {loc for loc, _ in f["tcp"]} == {mine}, (r, f["tcp"])
+            assert nodes.node_address(1 - c.node_of(r)) in {rem for _, rem in f["tcp"]}
+        net, n = c.network, 4 << 20
+        b0 = net.link_bytes()
+        c.run(send, (0, 1, n))
+        c.run(send, (3, 2, n))
+        b1 = net.link_bytes()
+        assert b1[0] - b0[0] < 4096 and b1[1] - b0[1] < 4096, (b0, b1)  # inside: no link
+        c.run(send, (1, 2, n))
+        b2 = net.link_bytes()
+        across = b2[0] - b1[0]
+        assert n <= across <= n * 1.01, (across, n)  # 64 KiB segments: < 1 % headers
+        assert b2[1] - b1[1] < 0.01 * n  # the receiver sends only acknowledgements
