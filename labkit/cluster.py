@@ -30,7 +30,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Optional, Union
 
 from .config import RunConfig
-from .nodes import DEFAULT_INTER_NODE, EmulatedNetwork, node_of, parse_rate
+from .nodes import DEFAULT_INTER_NODE, PLACEMENTS, EmulatedNetwork, node_of, parse_rate
 from .preflight import check_run_fits, check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
@@ -64,6 +64,8 @@ class Cluster:
             user namespaces, no ``tc``), one line says so and the ranks run flat
             (:attr:`network` is ``None``, :attr:`network_note` the reason).
         inter_node: each node's link, per direction: bytes/s or a tc rate (``"1gbit"``).
+        placement: ``"block"`` (above) or ``"cyclic"`` (rank ``r`` in node ``r % nodes``:
+            the innermost axis crosses nodes, as if the mesh's order were reversed).
         latency_ms: one-way node-to-node delay; needs the kernel's ``netem`` (else the
             one-line note, and no hierarchy).
         replace: become this process's pool for (world_size, backend, device): the pool of
@@ -80,7 +82,7 @@ class Cluster:
                  timeout_s: float = 300.0, start_timeout_s: float = 120.0,
                  threads_per_rank: Optional[int] = None, replace: bool = True,
                  nodes: int = 1, inter_node: Union[str, float] = DEFAULT_INTER_NODE,
-                 latency_ms: Optional[float] = None):
+                 latency_ms: Optional[float] = None, placement: str = "block"):
         import torch
 
         if not isinstance(world_size, int) or world_size < 1:
@@ -106,7 +108,10 @@ class Cluster:
         if world_size % nodes:
             raise ValueError(f"nodes={nodes} must divide world_size={world_size} (the same "
                              f"number of ranks in every node)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.nodes, self.inter_node = nodes, parse_rate(inter_node)
+        self.placement = placement
         self.latency_ms = latency_ms
         self.network: Optional[EmulatedNetwork] = None
         self.network_note: Optional[str] = None
@@ -162,7 +167,7 @@ class Cluster:
 
     def node_of(self, rank: int) -> int:
         """The emulated node ``rank`` lives in (0 when the cluster is one node)."""
-        return node_of(rank, self.world_size, self.nodes)
+        return node_of(rank, self.world_size, self.nodes, self.placement)
 
     # -- lifecycle -------------------------------------------------------------------
     def _start(self) -> None:

@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
-__all__ = ["DEFAULT_INTER_NODE", "EmulatedNetwork", "NodeSpec", "node_address", "node_of",
+__all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address", "node_of",
            "parse_rate", "probe", "enter"]
 
 #: default bandwidth of each node's link to the others: 1 Gbit/s = 125 MB/s, about a
@@ -61,9 +61,18 @@ def node_address(node: int) -> str:
     return f"10.27.0.{node + 1}"
 
 
-def node_of(rank: int, world_size: int, nodes: int) -> int:
-    """Node of ``rank``: consecutive blocks of ``world_size // nodes`` ranks, so the
-    innermost mesh axis (tp, :mod:`labkit.mesh`) stays inside a node."""
+#: how ranks are dealt to nodes: "block" (the mesh's documented order, tp innermost, stays
+#: inside a node) or "cyclic" (round robin: the innermost axis crosses nodes, as if tp were
+#: the outermost axis — the lectures' counter-example, claim C34)
+PLACEMENTS = ("block", "cyclic")
+
+
+def node_of(rank: int, world_size: int, nodes: int, placement: str = "block") -> int:
+    """Node of ``rank``: ``"block"``, consecutive blocks of ``world_size // nodes`` ranks,
+    so the innermost mesh axis (tp, :mod:`labkit.mesh`) stays inside a node; ``"cyclic"``,
+    ``rank % nodes``."""
+    if placement == "cyclic":
+        return rank % nodes
     return rank // (world_size // nodes)
 
 
@@ -336,14 +345,15 @@ def enter(spec: NodeSpec) -> None:
 
 def launch(nodes: int, nproc_per_node: int, args: list, inter_node=DEFAULT_INTER_NODE,
            latency_ms: Optional[float] = None, port: int = 29500,
-           timeout_s: Optional[float] = None) -> list:
+           timeout_s: Optional[float] = None) -> tuple:
     """Run ``torchrun --nnodes nodes … args`` with one launcher per emulated node.
 
     Each launcher lives in its node's namespace (:func:`enter`); they meet at node 0's
     address (torchrun's static rendezvous: ``--master-addr 10.27.0.1``). ``port`` is free
     by construction: the namespaces are private.
 
-    Returns one ``subprocess.CompletedProcess`` per node (text stdout/stderr).
+    Returns ``(results, link_bytes)``: one ``subprocess.CompletedProcess`` per node (text
+    stdout/stderr), and the bytes each node's link carried (:meth:`EmulatedNetwork.link_bytes`).
 
     Raises:
         OSError: the network could not be built (the one-line reason).
@@ -364,7 +374,7 @@ def launch(nodes: int, nproc_per_node: int, args: list, inter_node=DEFAULT_INTER
         for p in procs:
             o, e = p.communicate(timeout=timeout_s)
             out.append(subprocess.CompletedProcess(p.args, p.returncode, o, e))
-        return out
+        return out, net.link_bytes()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -398,14 +408,17 @@ def main(argv: Optional[list] = None) -> int:
         p.error(f"{a.cmd} needs a command after --")
     if a.cmd == "launch":
         try:
-            res = launch(a.nodes, a.nproc_per_node, cmd, a.inter_node, a.latency_ms)
+            res, _ = launch(a.nodes, a.nproc_per_node, cmd, a.inter_node, a.latency_ms)
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        rc = next((r.returncode for r in res if r.returncode), 0)
         for k, r in enumerate(res):
             sys.stdout.write(r.stdout)
-            sys.stderr.write("".join(f"[node {k}] {line}\n" for line in r.stderr.splitlines()))
-        return next((r.returncode for r in res if r.returncode), 0)
+            if rc:  # torchrun's own chatter (an agent's exit barrier …) only on failure
+                sys.stderr.write("".join(f"[node {k}] {line}\n"
+                                         for line in r.stderr.splitlines()))
+        return rc
     enter(NodeSpec(a.pid, a.node, node_address(a.node)))
     os.execvp(cmd[0], cmd)
     return 0  # not reached

@@ -613,3 +613,41 @@ def test_bench_bad_input_exits_2_before_any_rank(no_cluster, capsys, args, words
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "Traceback" not in err
     assert all(w in err for w in words), err
+
+
+@pytest.mark.distributed
+def test_torchrun_two_emulated_nodes_match_the_cluster(cluster_json):
+    """torchrun --nnodes 2, one launcher per emulated node (labkit.nodes.launch: each in
+    its node's network namespace, rendezvous at node 0's address): the same losses and
+    bytes as the one-node cluster, and the gradients' all-reduce really crossed the link
+    (each node's tc counter carries at least the bytes labkit.comm says a rank sent)."""
+    from labkit import nodes
+
+    reason = nodes.probe()
+    if reason:
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{reason} (CI is set, so this is an error, not a skip)")
+        pytest.skip(reason)
+    env_path = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = env_path
+    try:
+        res, link = nodes.launch(2, 1, ["-m", "labkit", *RUN, "--json"], timeout_s=300)
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+    for r in res:
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert res[1].stdout == ""  # rank 0 (node 0) alone prints
+    theirs = json.loads(res[0].stdout)
+    assert theirs["launcher"] == "torchrun" and theirs["world_size"] == 2
+    ours = cluster_json
+    assert theirs["config"] == ours["config"]
+    for a, b in zip(ours["ranks"], theirs["ranks"]):
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)
+        assert a["metrics"]["comm_bytes_by_axis"] == b["metrics"]["comm_bytes_by_axis"]
+    sent = sum(theirs["ranks"][0]["metrics"]["comm_bytes_by_axis"]["dp"].values())
+    steps = theirs["config"]["steps"]
+    assert all(b >= sent * steps for b in link.values()), (link, sent, steps)

@@ -36,6 +36,9 @@ def test_rates_and_placement_are_checked_before_launch():
     # consecutive blocks: tp (innermost, adjacent ranks) stays inside a node
     assert [nodes.node_of(r, 8, 2) for r in range(8)] == [0] * 4 + [1] * 4
     assert [nodes.node_of(r, 8, 4) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [nodes.node_of(r, 8, 2, "cyclic") for r in range(8)] == [0, 1] * 4
+    with pytest.raises(ValueError, match="placement"):
+        labkit.Cluster(4, nodes=2, placement="random")
 
 
 def test_without_namespaces_the_cluster_says_so_in_one_line_and_runs_flat(monkeypatch, capsys):

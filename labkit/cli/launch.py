@@ -35,10 +35,11 @@ def cmd_run(args) -> int:
     try:
         from ..nodes import DEFAULT_INTER_NODE
 
-        with Cluster(world_size=r.world_size, nodes=args.nodes,
-                     inter_node=args.inter_node or DEFAULT_INTER_NODE,
-                     latency_ms=args.latency_ms) as cluster:
-            net = cluster.network
+        nodes = {} if args.nodes == 1 else {
+            "nodes": args.nodes, "inter_node": args.inter_node or DEFAULT_INTER_NODE,
+            "latency_ms": args.latency_ms}
+        with Cluster(world_size=r.world_size, **nodes) as cluster:
+            net = getattr(cluster, "network", None)
             before = net.link_bytes() if net is not None else None
             result = cluster.run(train, r.cfg)
             backend = cluster.backend
