@@ -66,8 +66,8 @@ class Cluster:
         inter_node: each node's link, per direction: bytes/s or a tc rate (``"1gbit"``).
         placement: ``"block"`` (above) or ``"cyclic"`` (rank ``r`` in node ``r % nodes``:
             the innermost axis crosses nodes, as if the mesh's order were reversed).
-        latency_ms: one-way node-to-node delay; needs the kernel's ``netem`` (else the
-            one-line note, and no hierarchy).
+        latency_ms: one-way node-to-node delay; needs the kernel's ``netem`` (else one line
+            says so and the links are shaped in bandwidth only).
         replace: become this process's pool for (world_size, backend, device): the pool of
             an earlier such ``Cluster`` (made with ``replace=True`` too) is stopped now, and
             that object's ``run`` forwards here (:attr:`current`). ``False``: a pool of its
@@ -329,8 +329,9 @@ class Cluster:
             state = "broken: a rank exited; the next run restarts"
         nodes = ""
         if self.nodes > 1:
+            flat = self.network is None and self.network_note is not None
             nodes = (f"nodes={self.nodes}, inter_node={self.inter_node * 8 / 1e6:,.0f} Mbit/s"
-                     f"{'' if self.network is not None or not self._procs else ' (flat: ' + str(self.network_note) + ')'}, ")
+                     f"{' (flat: no emulated nodes here)' if flat else ''}, ")
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device!r}, {nodes}{state})")
 

@@ -42,12 +42,13 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
-__all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address", "node_of",
-           "parse_rate", "probe", "enter"]
+__all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address",
+           "node_of", "parse_rate", "probe", "enter", "launch"]
 
-#: default bandwidth of each node's link to the others: 1 Gbit/s = 125 MB/s, about a
-#: tenth to a twentieth of what gloo moves over the unshaped loopback on a few CPU cores —
-#: the order of NVLink (900 GB/s) to InfiniBand (50 GB/s per GPU)
+#: default bandwidth of each node's link to the others: 1 Gbit/s = 125 MB/s, of the order of
+#: a tenth of what gloo moves over an unshaped loopback on an idle few-core machine (and
+#: shared by the node's ranks) — the order of NVLink (900 GB/s) to InfiniBand (50 GB/s per
+#: GPU), 18:1; benchmarks/multinode.py prints this machine's ratio
 DEFAULT_INTER_NODE = "1gbit"
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 #: the cables' MTU: loopback's 64 KiB, so a node-to-node byte costs what a local one does
@@ -133,11 +134,12 @@ class EmulatedNetwork:
         inter_node: each node's network adapter, per direction: bytes/s or a tc rate
             (:func:`parse_rate`); default :data:`DEFAULT_INTER_NODE`.
         latency_ms: one-way delay added to node-to-node packets; needs ``netem``
-            (:attr:`netem`), else ``OSError``.
+            (:attr:`netem`); without it one line says so, :attr:`latency_ms` becomes
+            ``None`` and the links are shaped in bandwidth only.
 
     Raises:
         OSError: the namespaces or the traffic control could not be set up (the message is
-            the one-line reason: no user namespaces, no ``tc``, no ``veth``, no ``netem``).
+            the one-line reason: no user namespaces, no ``tc``, no ``veth``).
         ValueError: fewer than 2 nodes, or a bad rate.
     """
 
@@ -159,8 +161,9 @@ class EmulatedNetwork:
             self.ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
             self.ns(self.switch, "ip", "link", "set", "br0", "up")
             if latency_ms and not self.netem:
-                raise OSError(f"latency_ms={latency_ms}: this kernel has no netem qdisc, so "
-                              "latency cannot be emulated (bandwidth can)")
+                print(f"labkit: latency_ms={latency_ms} not emulated: this kernel has no "
+                      "netem qdisc; the links are shaped in bandwidth only")
+                self.latency_ms = None
             for n in range(nodes):
                 self._add_node(n)
         except BaseException:
@@ -199,7 +202,10 @@ class EmulatedNetwork:
         pre = ["nsenter", "-t", str(h.pid), "-n"]
         if os.geteuid() != 0:
             pre[3:3] = ["-U", "--preserve-credentials"]
-        r = _run(pre + list(argv), check=False)
+        try:
+            r = _run(pre + list(argv), check=False)
+        except subprocess.TimeoutExpired:
+            raise OSError(f"no emulated nodes: `{' '.join(argv)}` took over 20 s") from None
         if r.returncode:
             msg = (r.stderr.strip().splitlines() or ["exit code %d" % r.returncode])[-1]
             raise OSError(f"no emulated nodes: `{' '.join(argv)}` failed: {msg}")

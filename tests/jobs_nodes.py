@@ -9,6 +9,11 @@ import torch
 import torch.distributed as dist
 
 
+def _ip(hex_addr: str) -> str:
+    """``"0100007F:1F90"`` (little-endian hex, port) -> ``"127.0.0.1"``."""
+    return socket.inet_ntoa(struct.pack("<I", int(hex_addr.split(":")[0], 16)))
+
+
 def _tcp_established() -> list:
     """``(local ip, remote ip)`` of every established IPv4 TCP socket in this rank's
     network namespace (the kernel's own table, /proc/net/tcp)."""
@@ -19,8 +24,7 @@ def _tcp_established() -> list:
             cols = line.split()
             if cols[3] != "01":  # TCP_ESTABLISHED
                 continue
-            ip = lambda h: socket.inet_ntoa(struct.pack("<I", int(h.split(":")[0], 16)))  # noqa: E731
-            out.append((ip(cols[1]), ip(cols[2])))
+            out.append((_ip(cols[1]), _ip(cols[2])))
     return out
 
 

@@ -89,3 +89,27 @@ def test_two_nodes_place_ranks_bind_gloo_to_node_addresses_and_count_link_bytes(
         across = b2[0] - b1[0]
         assert n <= across <= n * 1.01, (across, n)  # 64 KiB segments: < 1 % headers
         assert b2[1] - b1[1] < 0.01 * n  # the receiver sends only acknowledgements
+
+
+def test_a_network_shapes_both_ends_of_each_cable_and_says_when_latency_cannot_be_added(capsys):
+    """No ranks: the namespaces alone. Each node's eth0 and its switch port carry an htb
+    class at the configured rate; latency is netem's or one line says it is missing."""
+    need_nodes()
+    net = nodes.EmulatedNetwork(2, "200mbit", latency_ms=2)
+    try:
+        for n, h in enumerate(net.members):
+            cls = net.ns(h, "tc", "class", "show", "dev", "eth0")
+            assert "htb 1:1" in cls and "rate 200Mbit" in cls, cls
+            assert f"inet {nodes.node_address(n)}/24" in net.ns(h, "ip", "addr", "show", "eth0")
+            port = net.ns(net.switch, "tc", "class", "show", "dev", f"n{n}")
+            assert "rate 200Mbit" in port, port
+        qdiscs = net.ns(net.members[0], "tc", "qdisc", "show", "dev", "eth0")
+        if net.netem:
+            assert net.latency_ms == 2 and "netem" in qdiscs and "delay 2ms" in qdiscs
+        else:
+            assert net.latency_ms is None and "netem" not in qdiscs
+            assert capsys.readouterr().out.count("no netem") == 1
+        holders = [h.pid for h in [net.switch, *net.members]]
+    finally:
+        net.close()
+    assert not any(os.path.exists(f"/proc/{p}") for p in holders)  # nothing outlives it

@@ -117,7 +117,8 @@ def _header(console, cfg, m0: dict, world: int, info: dict) -> None:
                   f"{info.get('launcher', '?')}")
     nodes = info.get("nodes")
     if nodes:
-        sent = " · ".join(f"node {k} {v / 1e6:,.2f} MB" for k, v in sorted(nodes["link_bytes"].items()))
+        sent = " · ".join(f"node {k} {v / 1e6:,.2f} MB"
+                          for k, v in sorted(nodes["link_bytes"].items()))
         console.print(f"emulated nodes: {nodes['describe']} · sent across: {sent}")
     parts = [" · ".join(f"{k} {getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep")
                         if k in ("dp", "pp") or getattr(p, k) > 1)]

@@ -101,8 +101,9 @@ def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dic
     "axis_bytes", "losses"}``: the slowest rank's median steady step; its seconds inside
     communication calls per step (spans merged; an asynchronous call's span includes the
     compute it overlapped, a receive the wait for its sender); the planner's for the same
-    calls; the largest over ranks of compute + predicted communication; bytes each node's link carried per step (tc counters, headers
-    included); rank 0's bytes sent per mesh axis per step (labkit.comm).
+    calls; the largest over ranks of compute + predicted communication; bytes each node's
+    link carried per step (tc counters, headers included); rank 0's bytes sent per mesh
+    axis per step (labkit.comm).
     """
     from ..jobs import train
 
