@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import labkit as lk  # noqa: E402
 from labkit.config import RunConfig  # noqa: E402
-from labkit.measure.hierarchy import EXPERIMENTS, measure_cluster_links, run_variant  # noqa: E402
+from labkit.measure.hierarchy import (EXPERIMENTS, measure_cluster_links, run_variant,  # noqa: E402
+                                     warm_up)
 from labkit.nodes import probe  # noqa: E402
 
 
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
         c = lk.Cluster(4, nodes=2, inter_node=a.inter_node, placement=placement,
                        replace=False)
         c.run(lk.jobs.hello)
+        warm_up(c, a.model)
         print(f"{placement}: {c!r} started in {time.perf_counter() - t0:.1f} s", flush=True)
         links = measure_cluster_links(c)
         if placement == "block":

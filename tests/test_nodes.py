@@ -113,3 +113,28 @@ def test_a_network_shapes_both_ends_of_each_cable_and_says_when_latency_cannot_b
     finally:
         net.close()
     assert not any(os.path.exists(f"/proc/{p}") for p in holders)  # nothing outlives it
+
+
+def test_planner_prices_each_recorded_call_on_its_place_in_the_emulated_hierarchy():
+    """labkit.plan.emulated by hand: 2 nodes x 2 ranks, 400 MB/s inside, a 100 MB/s node
+    link shared by its 2 ranks (50 MB/s each), 1 ms / 2 ms per ring step."""
+    from labkit.plan.emulated import emulated_spec, physical_order, predict_comm
+    from labkit.plan.hardware import NCCL_BASE_LATENCY as base
+    from labkit.trace import Event
+
+    spec = emulated_spec(2, 2, 400e6, 100e6, 1e-3, 2e-3)
+    cyc = physical_order(range(4), lambda r: nodes.node_of(r, 4, 2, "cyclic"))
+    assert cyc == {0: 0, 2: 1, 1: 2, 3: 3}  # node 0's ranks first, as the planner numbers
+    blk = physical_order(range(4), lambda r: nodes.node_of(r, 4, 2))
+    s = 8e6  # an all-reduce of 8 MB over 2 ranks: each sends 8 MB (2(n-1)/n = 1)
+    ar = lambda peers: Event(0, "all_reduce", "comm", 0, 1, 1, "all_reduce", s, s, "tp",  # noqa: E731
+                             peers)
+    inside = base + 2 * 1e-3 + s / 400e6
+    across = base + 2 * 2e-3 + s / 50e6
+    assert predict_comm([ar((0, 1))], spec, blk) == pytest.approx(inside)
+    assert predict_comm([ar((0, 1))], spec, cyc) == pytest.approx(across)  # 0,1 in 2 nodes
+    send = Event(0, "send", "p2p", 0, 1, 1, "send", 1e6, 0, "pp", (2,))
+    assert predict_comm([send], spec, blk) == pytest.approx(base + 2e-3 + 1e6 / 50e6)
+    assert predict_comm([send], spec, cyc) == pytest.approx(base + 1e-3 + 1e6 / 400e6)
+    compute = Event(0, "forward", "compute", 0, 1, 1)
+    assert predict_comm([compute, ar((0,))], spec, blk) == 0.0

@@ -22,7 +22,7 @@ from ..collectives.links import measure_links
 from ..plan.emulated import emulated_spec, physical_order, predict_comm
 
 __all__ = ["Links", "Variant", "Experiment", "EXPERIMENTS", "measure_cluster_links",
-           "run_variant"]
+           "run_variant", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,15 @@ EXPERIMENTS = (
                Variant("pp across", (("pp", 2), ("dp", 2))),
                Variant("dp across", (("pp", 2), ("dp", 2)), "cyclic")),
 )
+
+
+def warm_up(cluster, model: str = "small") -> None:
+    """One short training job on every rank: a fresh pool's first job imports much of
+    torch and labkit (seconds), which would otherwise land in the first variant's steps."""
+    from ..config import RunConfig
+    from ..jobs import train
+
+    cluster.run(train, RunConfig(model=model, steps=1).replace(dp=cluster.world_size))
 
 
 def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dict:
