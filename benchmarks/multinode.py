@@ -20,8 +20,8 @@ mesh's order, tp innermost) and "cyclic" (0,2 | 1,3: tp outermost). Prints
     RESULT compute_slowdown_pct <emulated / flat - 1, %>  (runs interleaved, median)
 
 Timings of rank processes sharing the machine's cores: run it on an otherwise idle machine
-(the load average is printed first). ``--inter-node`` sets the link (default 1gbit),
-``--model``/``--steps`` the training job.
+(the load average is printed first). ``--inter-node`` sets the link (default
+``labkit.nodes.DEFAULT_INTER_NODE``), ``--model``/``--steps`` the training job.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import labkit as lk  # noqa: E402
 from labkit.config import RunConfig  # noqa: E402
 from labkit.measure.hierarchy import (EXPERIMENTS, measure_cluster_links, run_variant,  # noqa: E402
                                      warm_up)
-from labkit.nodes import probe  # noqa: E402
+from labkit.nodes import DEFAULT_INTER_NODE, probe  # noqa: E402
 
 
 def _cfg(model: str, steps: int, changes: tuple) -> RunConfig:
@@ -55,7 +55,7 @@ def _compute(cluster, reps: int) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--inter-node", default="1gbit")
+    p.add_argument("--inter-node", default=DEFAULT_INTER_NODE)
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="all-compute job repeats")

@@ -15,6 +15,10 @@ One pool per (world size, backend, device) per process: re-running a notebook's
 ``Cluster(4)`` cell stops the pool the previous ``Cluster(4)`` started (its ranks exit
 within seconds), and the old object forwards ``run`` to the new one, so a widget still
 holding it follows the new pool. ``replace=False`` asks for a pool of one's own.
+
+``nodes=N`` places the ranks in N emulated nodes (:mod:`labkit.nodes`): private network
+namespaces whose links to each other are shaped by Linux traffic control, so "inside a
+server" and "across" differ on one machine. The pipes to the ranks are untouched by it.
 """
 from __future__ import annotations
 

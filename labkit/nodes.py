@@ -45,11 +45,11 @@ from typing import Optional, Union
 __all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address",
            "node_of", "parse_rate", "probe", "enter", "launch"]
 
-#: default bandwidth of each node's link to the others: 1 Gbit/s = 125 MB/s, of the order of
-#: a tenth of what gloo moves over an unshaped loopback on an idle few-core machine (and
-#: shared by the node's ranks) — the order of NVLink (900 GB/s) to InfiniBand (50 GB/s per
-#: GPU), 18:1; benchmarks/multinode.py prints this machine's ratio
-DEFAULT_INTER_NODE = "1gbit"
+#: default bandwidth of each node's link to the others: 500 Mbit/s = 62.5 MB/s, so that the
+#: busbw of a pair inside a node over the one across is of the order of NVLink over
+#: InfiniBand per GPU (900/50 = 18): gloo's loopback all-reduce moves ~0.4-1.5 GB/s on a
+#: 2-core machine, loaded to idle (benchmarks/multinode.py prints this machine's ratio)
+DEFAULT_INTER_NODE = "500mbit"
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 #: the cables' MTU: loopback's 64 KiB, so a node-to-node byte costs what a local one does
 MTU = 65535

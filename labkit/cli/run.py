@@ -153,7 +153,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "(tp innermost), each a private network namespace (labkit.nodes)")
     c.add_argument("--inter-node", default=None, metavar="RATE",
                    help="each node's link to the others, per direction: a tc rate "
-                        "(default 1gbit) or bytes/s")
+                        "(default 500mbit) or bytes/s")
     c.add_argument("--latency-ms", type=float, default=None, metavar="MS",
                    help="one-way node-to-node delay (needs the kernel's netem)")
     out = parser.add_argument_group("output")
