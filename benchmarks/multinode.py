@@ -6,7 +6,8 @@ mesh's order, tp innermost) and "cyclic" (0,2 | 1,3: tp outermost). Prints
 1. the links: all-reduce busbw of a pair inside a node and across, the configured rate,
    the inside/across ratio (claim C2: NVLink/IB per GPU = 900/50 = 18) and the
    emulated-vs-configured error;
-2. each experiment of ``labkit.measure.hierarchy.EXPERIMENTS`` in both layouts: step time,
+2. each experiment of ``labkit.measure.hierarchy.EXPERIMENTS`` in both layouts (``--runs``
+   interleaved runs, medians): step time,
    bytes per step on each node's link (tc counters) and per mesh axis (labkit.comm), the
    planner's predicted step and communication time on the measured links, and the lecture's
    statement;
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="all-compute job repeats")
+    p.add_argument("--runs", type=int, default=3,
+                   help="interleaved runs of each layout (the table shows medians)")
     a = p.parse_args(argv)
     print(f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
           f"{os.cpu_count()} cores", flush=True)
@@ -66,8 +69,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"cannot emulate nodes here: {reason}")
         return 1
-    results = {}
-    clusters = {}
+    clusters, links = {}, None
     for placement in ("block", "cyclic"):
         t0 = time.perf_counter()
         c = lk.Cluster(4, nodes=2, inter_node=a.inter_node, placement=placement,
@@ -75,24 +77,28 @@ def main(argv=None) -> int:
         c.run(lk.jobs.hello)
         warm_up(c, a.model)
         print(f"{placement}: {c!r} started in {time.perf_counter() - t0:.1f} s", flush=True)
-        links = measure_cluster_links(c)
-        if placement == "block":
-            print(f"\nlinks: inside a node {links.inside_bw / 1e6:,.1f} MB/s busbw, "
-                  f"across {links.across_bw / 1e6:,.1f} MB/s (configured "
-                  f"{links.configured / 1e6:,.1f} MB/s per direction); hop "
-                  f"{links.inside_hop_s * 1e6:,.0f} us inside, {links.across_hop_s * 1e6:,.0f}"
-                  f" us across")
-            print(f"RESULT inside_across_ratio {links.ratio:.2f}   (lecture, per GPU: "
-                  f"NVLink 900 / IB 50 = 18)")
-            print(f"RESULT link_error_pct {100 * links.link_error:+.1f}", flush=True)
-        for ex in EXPERIMENTS:
-            for v in (ex.a, ex.b):
-                if v.placement != placement:
-                    continue
-                cfg = _cfg(a.model, a.steps, v.changes)
-                results[(ex.name, v.label)] = run_variant(c, cfg, links)
-                print(f"  ran {v.label}", flush=True)
         clusters[placement] = c
+    links = measure_cluster_links(clusters["block"])
+    print(f"\nlinks: inside a node {links.inside_bw / 1e6:,.1f} MB/s busbw, "
+          f"across {links.across_bw / 1e6:,.1f} MB/s (configured "
+          f"{links.configured / 1e6:,.1f} MB/s per direction); hop "
+          f"{links.inside_hop_s * 1e6:,.0f} us inside, {links.across_hop_s * 1e6:,.0f}"
+          f" us across")
+    print(f"RESULT inside_across_ratio {links.ratio:.2f}   (lecture, per GPU: "
+          f"NVLink 900 / IB 50 = 18)")
+    print(f"RESULT link_error_pct {100 * links.link_error:+.1f}", flush=True)
+    # each pair A B, then B A, … so drift in the machine's load hits both layouts alike
+    runs: dict = {}
+    for i in range(a.runs):
+        for ex in EXPERIMENTS:
+            for v in ((ex.a, ex.b) if i % 2 == 0 else (ex.b, ex.a)):
+                cfg = _cfg(a.model, a.steps, v.changes)
+                runs.setdefault((ex.name, v.label), []).append(
+                    run_variant(clusters[v.placement], cfg, links))
+        print(f"  round {i + 1}/{a.runs} done", flush=True)
+    results = {k: {f: (statistics.median(r[f] for r in rs)
+                       if f in ("step_s", "comm_s", "pred_comm_s", "pred_step_s") else rs[0][f])
+                   for f in rs[0]} for k, rs in runs.items()}
     print(f"\n{'experiment / variant':52} {'step ms':>8} {'planner':>8} {'comm ms':>8} "
           f"{'planner':>8} {'MB/step across':>15}  bytes/step per axis (rank 0)")
     for ex in EXPERIMENTS:
@@ -111,8 +117,13 @@ def main(argv=None) -> int:
             print(f"RESULT {key}_pred_ms {r['pred_step_s'] * 1e3:.1f}")
         ra, rb = steps[ex.a.label], steps[ex.b.label]
         dl = max(abs(x - y) for x, y in zip(ra["losses"], rb["losses"]))
-        print(f"  -> {ex.b.label} / {ex.a.label}: measured {rb['step_s'] / ra['step_s']:.2f}x,"
-              f" planner {rb['pred_step_s'] / ra['pred_step_s']:.2f}x; largest loss "
+        print(f"  -> {ex.b.label} / {ex.a.label}: step time measured "
+              f"{rb['step_s'] / ra['step_s']:.2f}x, planner "
+              f"{rb['pred_step_s'] / ra['pred_step_s']:.2f}x (throughput "
+              f"{100 * (ra['step_s'] / rb['step_s'] - 1):+.0f} % measured, "
+              f"{100 * (ra['pred_step_s'] / rb['pred_step_s'] - 1):+.0f} % planner); bytes "
+              f"across {sum(rb['link_bytes_per_step'].values()) / 1e6:.2f} vs "
+              f"{sum(ra['link_bytes_per_step'].values()) / 1e6:.2f} MB/step; largest loss "
               f"difference {dl:.1e}")
     clusters.pop("cyclic").close()
     with lk.Cluster(4, replace=False) as flat:

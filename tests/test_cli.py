@@ -197,6 +197,41 @@ def test_torchrun_degrees_fill_dp_and_must_multiply_to_world_size():
         assert words in str(info.value)
 
 
+def test_node_flags_are_checked_before_launch():
+    """--nodes/--inter-node/--latency-ms: refused with the flag and the numbers."""
+    parser = cli.build_parser()
+
+    def resolve(*argv, world=None):
+        return cli_run.resolve(parser.parse_args(["run", *argv]), torchrun_world=world,
+                               check_machine=False)
+
+    assert resolve("--dp", "4", "--nodes", "2", "--inter-node", "1gbit").world_size == 4
+    for argv, world, words in (
+            (["--dp", "2", "--nodes", "3"], None, "--nodes 3 must divide the world size "
+                                                  "dp·tp·pp·cp = 2"),
+            (["--dp", "2", "--inter-node", "1gbit"], None, "give --nodes 2 or more"),
+            (["--dp", "2", "--nodes", "2", "--inter-node", "fast"], None,
+             "inter_node='fast'"),
+            (["--nodes", "2"], 2, "under torchrun the nodes are torchrun's")):
+        with pytest.raises(cli.UsageError) as info:
+            resolve(*argv, world=world)
+        assert words in str(info.value)
+
+
+@pytest.mark.distributed
+def test_run_with_nodes_asks_for_an_emulated_cluster(cluster2):
+    """`labkit run --nodes 2 --inter-node 200mbit` builds its Cluster with those nodes (the
+    session pool is lent: what runs on the nodes is tests/test_nodes.py's)."""
+    out, err = io.StringIO(), io.StringIO()
+    with lend(cluster2) as asked, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        rc = cli.main(["run", "--dp", "2", "--steps", "1", "--nodes", "2",
+                       "--inter-node", "200mbit"])
+    assert rc == 0, err.getvalue()
+    assert asked == [((), {"world_size": 2, "nodes": 2, "inter_node": "200mbit",
+                           "latency_ms": None})]
+
+
 def test_check_run_fits_counts_model_state_per_rank_on_the_mesh(monkeypatch):
     """Per rank: the larger of the whole fp32 model (4Ψ) and the state once placed on the
     mesh — Ψ/pp parameters each, ZeRO sharding over dp_shard (not the HSDP replicas)."""
