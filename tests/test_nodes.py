@@ -67,7 +67,9 @@ def test_two_nodes_place_ranks_bind_gloo_to_node_addresses_and_count_link_bytes(
     need_nodes()
     from jobs_nodes import node_facts, send
 
-    with labkit.Cluster(4, nodes=2, inter_node="1gbit", replace=False) as c:
+    # a generous start timeout: on a loaded 2-core machine 4 ranks may take minutes to start
+    with labkit.Cluster(4, nodes=2, inter_node="1gbit", replace=False,
+                        start_timeout_s=600) as c:
         facts = c.run(node_facts).outputs
         assert [f["node"] for f in facts] == ["0", "0", "1", "1"]
         assert facts[0]["netns"] == facts[1]["netns"] != facts[2]["netns"] == facts[3]["netns"]
@@ -83,12 +85,14 @@ def test_two_nodes_place_ranks_bind_gloo_to_node_addresses_and_count_link_bytes(
         c.run(send, (0, 1, n))
         c.run(send, (3, 2, n))
         b1 = net.link_bytes()
-        assert b1[0] - b0[0] < 4096 and b1[1] - b0[1] < 4096, (b0, b1)  # inside: no link
+        # inside a node nothing crosses (a few IPv6 neighbour messages may)
+        assert b1[0] - b0[0] < 0.01 * n and b1[1] - b0[1] < 0.01 * n, (b0, b1)
         c.run(send, (1, 2, n))
         b2 = net.link_bytes()
         across = b2[0] - b1[0]
-        assert n <= across <= n * 1.01, (across, n)  # 64 KiB segments: < 1 % headers
-        assert b2[1] - b1[1] < 0.01 * n  # the receiver sends only acknowledgements
+        # 64 KiB segments: headers < 1 %; leave room for a retransmission under load
+        assert n <= across <= n * 1.05, (across, n)
+        assert b2[1] - b1[1] < 0.05 * n, (b1, b2)  # the receiver sends only acknowledgements
 
 
 def test_a_network_shapes_both_ends_of_each_cable_and_says_when_latency_cannot_be_added(capsys):
