@@ -7,8 +7,9 @@ reports its step time, the bytes each node's link carried (the kernel's tc count
 labkit's per-axis bytes, and the planner's prediction: every communication call the run
 recorded, priced by :mod:`labkit.plan.network` on a hierarchy built from this cluster's
 measured links (:mod:`labkit.plan.emulated`); predicted step = the run's own compute time
-(the union of its compute spans in the trace) + the predicted communication, none of it
-overlapped and no pipeline bubble (the planner's comm model is what is checked here).
+(the time its trace shows it computing and not inside a communication call) + the
+predicted communication, none of it overlapped and no pipeline bubble (the planner's
+comm model is what is checked here).
 
 "block" placement keeps consecutive ranks in a node (the mesh's order, tp innermost);
 "cyclic" deals them round robin — as if the mesh's order were reversed.
@@ -94,6 +95,18 @@ EXPERIMENTS = (
 )
 
 
+def _union(events) -> float:
+    """Seconds covered by the events' spans, overlaps counted once."""
+    total, cur = 0.0, None
+    for a, b in sorted((e.start, e.end) for e in events):
+        if cur is None or a > cur[1]:
+            total += (cur[1] - cur[0]) if cur else 0.0
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    return total + ((cur[1] - cur[0]) if cur else 0.0)
+
+
 def warm_up(cluster, model: str = "small") -> None:
     """One short training job on every rank: a fresh pool's first job imports much of
     torch and labkit (seconds), which would otherwise land in the first variant's steps."""
@@ -135,9 +148,12 @@ def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dic
         m = out["metrics"]
         ev = [e for e in res.trace.filter(rank=r) if e.step in steady
               and e.cat in ("comm", "p2p")]
-        comm_s = sum(res.trace.busy_time(r, "comm", s) + res.trace.busy_time(r, "p2p", s)
-                     for s in steady) / len(steady)
-        compute_s = sum(res.trace.busy_time(r, "compute", s) for s in steady) / len(steady)
+        mine = [e for e in res.trace.filter(rank=r) if e.step in steady]
+        comm_s = _union([e for e in mine if e.cat in ("comm", "p2p")]) / len(steady)
+        # a layer's region encloses its TP collectives: compute is the busy time of
+        # compute and communication together, less the communication's
+        busy = _union([e for e in mine if e.cat in ("compute", "comm", "p2p")])
+        compute_s = busy / len(steady) - comm_s
         pred = predict_comm(ev, spec, phys) / len(steady)
         step = m["step_time_s"]  # the train loop's median of its steady steps
         rows.append((step, comm_s, pred, compute_s + pred))
