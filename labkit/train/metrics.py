@@ -227,6 +227,8 @@ def _tp_predicted(setup) -> dict:
     * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
       all-gathered back in backward); the head (last stage): its input's gradient
       all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * with SP each column-parallel input (the block's two, the head's) is all-gathered
+      again in backward: the job keeps the ``S/T`` shard (``regather``);
     * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
       fp32 (all-reduces).
 
@@ -250,8 +252,8 @@ def _tp_predicted(setup) -> dict:
     def add(op: str, n: float) -> None:
         out[op] = out.get(op, 0.0) + n * cfg.accum_steps
 
-    if sp:
-        add("all_gather", layers * (blk["forward"] + blk["backward"]) / 2)
+    if sp:  # the job re-gathers both column-parallel inputs in backward (regather)
+        add("all_gather", layers * (blk["forward"] + blk["backward"]) / 2 + layers * 2 * unit)
         add("reduce_scatter", layers * (blk["forward"] + blk["backward"]) / 2)
     else:
         add("all_reduce", layers * (blk["forward"] + blk["backward"]))
@@ -273,8 +275,8 @@ def _tp_predicted(setup) -> dict:
             if sp:
                 add("all_gather", unit)
         if m.is_last:
-            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too
-                add("all_gather", unit)
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
+                add("all_gather", 2 * unit)  # the head's input, gathered again in backward
                 add("reduce_scatter", unit)
                 add("all_reduce", ar(h * wgt))
             else:
