@@ -119,3 +119,58 @@ def test_real_job_layers_equal_the_count_and_the_fake_measurement(cluster2):
         _check(out, want)
         fake = fake_layer_activations(cfg, out["rank"])
         assert fake["layers"] == out["layers"] and fake["outside"] == out["outside"]
+
+
+def test_rms_norm_gradients_are_the_plain_formulas():
+    """labkit.models.norm keeps only x and 1/rms and rebuilds the rest in backward: its
+    outputs are the plain ops' bit for bit, its gradients torch's autograd of the plain ops
+    (fp32: to 1e-6; bf16 input, fp32 weight: to bf16 rounding)."""
+    import torch
+
+    from labkit.models.norm import rms_norm
+
+    def plain(x, w, eps=1e-5):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=g, requires_grad=True)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    gy = torch.randn(2, 3, 8, generator=g)
+    assert torch.equal(rms_norm(x, w, 1e-5), plain(x, w))
+    for a, b in zip(torch.autograd.grad(rms_norm(x, w, 1e-5), (x, w), gy),
+                    torch.autograd.grad(plain(x, w), (x, w), gy)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    wb = w.detach().float().requires_grad_()
+    ours = torch.autograd.grad(rms_norm(xb, wb, 1e-5), (xb, wb), gy)
+    ref = torch.autograd.grad(plain(xb, wb), (xb, wb), gy)
+    assert torch.equal(rms_norm(xb, wb, 1e-5), plain(xb, wb))
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2)
+
+
+def test_regathered_matmuls_under_autocast_match_autocasts_own():
+    """Sequence parallelism's column matmuls that keep the shard (degree 1 here, so the
+    gathers are identities): under bf16 autocast over fp32 weights, the outputs and the
+    gradients of the input and weights are those of autocast's own linear layers."""
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.models.gpt import compute_dtype
+    from labkit.parallel.tensor.layers import _RegatherColumnMatmuls
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 16, generator=g, requires_grad=True)
+    ws = [torch.randn(o, 16, generator=g, requires_grad=True) for o in (8, 4)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = _RegatherColumnMatmuls.apply(x, None, {}, *ws)
+        ref = tuple(F.linear(compute_dtype(x), w) for w in ws)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    gys = [torch.randn(y.shape, generator=g).to(y.dtype) for y in ref]
+    a = torch.autograd.grad(ours, [x, *ws], gys)
+    b = torch.autograd.grad(ref, [x, *ws], gys)
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
