@@ -19,6 +19,13 @@ with DIR's labkit and this checkout's (``--repeats`` each) and prints the ratio 
     python benchmarks/activation_memory.py [--memory] [--time] [--compare /work/main]
 
 Prints ``RESULT activation_memory ...`` and ``RESULT step_time ... ratio=...``.
+
+Measured (2-core machine shared by several jobs, load 8-25): one layer of the tiny model
+(TP2+SP, bf16 autocast, rank 0) kept 576,512 B before (1.75x C18's count for its shapes) and
+363,520 B after (C18's count plus the named terms: 1/rms per norm, the fp32 residual stream
+under autocast); Llama 3 405B's layer on a TP8+SP rank 1,342,709,760 B before (2.09x) and
+642,260,992 B after (C18's count plus 8 KiB of 1/rms). Step time after/before: 0.50 and 0.64
+in two runs of ``--compare`` (8 runs each side): no slower (fewer casts and copies).
 """
 from __future__ import annotations
 
