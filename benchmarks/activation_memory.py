@@ -24,8 +24,11 @@ Measured (2-core machine shared by several jobs, load 8-25): one layer of the ti
 (TP2+SP, bf16 autocast, rank 0) kept 576,512 B before (1.75x C18's count for its shapes) and
 363,520 B after (C18's count plus the named terms: 1/rms per norm, the fp32 residual stream
 under autocast); Llama 3 405B's layer on a TP8+SP rank 1,342,709,760 B before (2.09x) and
-642,260,992 B after (C18's count plus 8 KiB of 1/rms). Step time after/before: 0.50 and 0.64
-in two runs of ``--compare`` (8 runs each side): no slower (fewer casts and copies).
+642,260,992 B after (C18's count plus 8 KiB of 1/rms). Step time after/before, three runs
+of ``--compare /work/main``: 0.50 and 0.64 (8 runs a side, load 8-25), 1.29 (4 runs a side,
+load 2-9); this checkout against itself without the job's re-gathers: 0.72. The machine's
+noise (other jobs) is larger than the effect; the re-gathers add 5 all-gathers per step
+(2 per block and the head's), which a latency-bound tiny model on gloo may feel.
 """
 from __future__ import annotations
 
