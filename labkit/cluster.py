@@ -20,6 +20,10 @@ One pool per (world size, backend, device) per process: re-running a notebook's
 ``Cluster(4)`` cell stops the pool the previous ``Cluster(4)`` started (its ranks exit
 within seconds), and the old object forwards ``run`` to the new one, so a widget still
 holding it follows the new pool. ``replace=False`` asks for a pool of one's own.
+
+``nodes=N`` places the ranks in N emulated nodes (:mod:`labkit.nodes`): private network
+namespaces whose links to each other are shaped by Linux traffic control, so "inside a
+server" and "across" differ on one machine. The pipes to the ranks are untouched by it.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from typing import Any, Callable, Optional, Union
 
 from .config import RunConfig
 from .faults.watch import CollectiveHang, FaultEvent, RankDied, Watch
+from .nodes import DEFAULT_INTER_NODE, PLACEMENTS, EmulatedNetwork, node_of, parse_rate
 from .preflight import check_run_fits, check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
@@ -62,18 +67,32 @@ class Cluster:
         start_timeout_s: seconds the ranks may take to start and join the group.
         threads_per_rank: torch intra-op threads per rank; default cores // world_size
             (at least 1), so ranks do not oversubscribe the CPU.
+        nodes: emulated nodes (:mod:`labkit.nodes`): ranks ``k·w … (k+1)·w − 1`` (``w =
+            world_size / nodes``) live in node ``k``, so the mesh's innermost axis (tp)
+            stays inside a node; each node has a private network namespace and its link to
+            the others runs at ``inter_node``. Where the machine cannot build that (no
+            user namespaces, no ``tc``), one line says so and the ranks run flat
+            (:attr:`network` is ``None``, :attr:`network_note` the reason).
+        inter_node: each node's link, per direction: bytes/s or a tc rate (``"1gbit"``).
+        placement: ``"block"`` (above) or ``"cyclic"`` (rank ``r`` in node ``r % nodes``:
+            the innermost axis crosses nodes, as if the mesh's order were reversed).
+        latency_ms: one-way node-to-node delay; needs the kernel's ``netem`` (else one line
+            says so and the links are shaped in bandwidth only).
         replace: become this process's pool for (world_size, backend, device): the pool of
             an earlier such ``Cluster`` (made with ``replace=True`` too) is stopped now, and
             that object's ``run`` forwards here (:attr:`current`). ``False``: a pool of its
             own, which neither replaces nor is replaced (several pools of one size).
 
     Raises:
-        ValueError: a bad world size, backend or device, before any process starts.
+        ValueError: a bad world size, backend or device, ``nodes`` not dividing
+            ``world_size``, or a bad ``inter_node`` rate, before any process starts.
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto", device: str = "auto",
                  timeout_s: float = 300.0, start_timeout_s: float = 120.0,
-                 threads_per_rank: Optional[int] = None, replace: bool = True):
+                 threads_per_rank: Optional[int] = None, replace: bool = True,
+                 nodes: int = 1, inter_node: Union[str, float] = DEFAULT_INTER_NODE,
+                 latency_ms: Optional[float] = None, placement: str = "block"):
         import torch
 
         if not isinstance(world_size, int) or world_size < 1:
@@ -94,6 +113,18 @@ class Cluster:
             raise ValueError("backend 'nccl' needs device 'cuda'")
         if backend == "gloo" and device != "cuda":
             check_world_size(world_size)  # CPU ranks: at most a few per core
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+        if world_size % nodes:
+            raise ValueError(f"nodes={nodes} must divide world_size={world_size} (the same "
+                             f"number of ranks in every node)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.nodes, self.inter_node = nodes, parse_rate(inter_node)
+        self.placement = placement
+        self.latency_ms = latency_ms
+        self.network: Optional[EmulatedNetwork] = None
+        self.network_note: Optional[str] = None
         self.world_size, self.backend, self.device = world_size, backend, device
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -146,10 +177,27 @@ class Cluster:
         """True when a newer ``Cluster`` replaced this one's pool (``run`` forwards to it)."""
         return self.current is not self
 
+    def node_of(self, rank: int) -> int:
+        """The emulated node ``rank`` lives in (0 when the cluster is one node)."""
+        return node_of(rank, self.world_size, self.nodes, self.placement)
+
     # -- lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
+        specs = None
+        if self.nodes > 1 and self.network_note is None:
+            if self.network is None or not self.network.alive:
+                if self.network is not None:
+                    self.network.close()
+                try:
+                    self.network = EmulatedNetwork(self.nodes, self.inter_node,
+                                                   self.latency_ms)
+                except OSError as exc:
+                    self.network, self.network_note = None, f"{exc}; the ranks run flat"
+                    print(f"labkit: {self.network_note}")
+            if self.network is not None:
+                specs = [self.network.spec(self.node_of(r)) for r in range(self.world_size)]
         self._procs, self._conns, self._tmp = spawn_ranks(
-            self.world_size, self.backend, self.device, self.threads_per_rank)
+            self.world_size, self.backend, self.device, self.threads_per_rank, specs)
         self._ready = False
         self._startup = Startup(self.world_size, self.start_timeout_s)
         self._claim()
@@ -250,6 +298,9 @@ class Cluster:
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.perf_counter()))
         self._kill()
+        if self.network is not None:
+            self.network.close()
+            self.network = None
 
     @property
     def alive(self) -> bool:
@@ -268,6 +319,8 @@ class Cluster:
     def __del__(self) -> None:
         try:
             self._kill()
+            if self.network is not None:
+                self.network.close()
         except Exception:
             pass
 
@@ -286,8 +339,13 @@ class Cluster:
             state = f"replaced by a newer {self.current!r}: run() goes there"
         elif state == "broken":
             state = "broken: a rank exited; the next run restarts"
+        nodes = ""
+        if self.nodes > 1:
+            flat = self.network is None and self.network_note is not None
+            nodes = (f"nodes={self.nodes}, inter_node={self.inter_node * 8 / 1e6:,.0f} Mbit/s"
+                     f"{' (flat: no emulated nodes here)' if flat else ''}, ")
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
-                f"device={self.device!r}, {state})")
+                f"device={self.device!r}, {nodes}{state})")
 
     # -- running jobs ------------------------------------------------------------------
     def run(self, job: Union[Callable, str], config: Any = None, *, nranks: Optional[int] = None,
@@ -414,5 +472,7 @@ def _close_all() -> None:
     for c in list(_LIVE):
         try:
             c._kill()
+            if c.network is not None:
+                c.network.close()
         except Exception:
             pass

@@ -39,10 +39,12 @@ STAGES = {"spawned": "starting Python", "started": "importing torch",
 _RESTART = "the ranks were stopped; the next run starts fresh ones"
 
 
-def spawn_ranks(world_size: int, backend: str, device: str, threads: int) -> tuple:
+def spawn_ranks(world_size: int, backend: str, device: str, threads: int,
+                nodes: Optional[list] = None) -> tuple:
     """Start the rank processes of one pool; returns ``(procs, parent pipe ends, tmp dir)``.
 
     The ranks meet through a ``FileStore`` in the new temporary folder (no port opened).
+    ``nodes``: each rank's :class:`labkit.nodes.NodeSpec` (emulated nodes), or ``None``.
     """
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="labkit-")
@@ -53,7 +55,8 @@ def spawn_ranks(world_size: int, backend: str, device: str, threads: int) -> tup
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_entry, name=f"labkit-rank{rank}", daemon=True,
                             args=(rank, world_size, store, backend, device, threads,
-                                  child_end, os.getpid(), list(sys.path)))
+                                  child_end, os.getpid(), list(sys.path),
+                                  nodes[rank] if nodes else None))
             p.start()
             child_end.close()
             conns.append(parent_end)

@@ -6,7 +6,8 @@ A rank is a fresh interpreter started with the *spawn* method. It
    orphans),
 2. calls ``init_process_group`` once, over a ``FileStore`` in a private temp folder, so no
    rendezvous port is opened at all; gloo's own pair sockets bind to the loopback
-   interface (``GLOO_SOCKET_IFNAME=lo``),
+   interface (``GLOO_SOCKET_IFNAME=lo``), or, on an emulated node, to the node's
+   ``eth0`` in its private network namespace (:mod:`labkit.nodes`),
 3. answers ``("run", …)`` messages on its pipe by importing the job by module and name,
    calling ``job(ctx, config)`` under a fresh :class:`~labkit.trace.Tracer`, and sending
    back the plain-data result, the events, or the traceback.
@@ -184,8 +185,18 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(rank: int, world_size: int, store_path: str, backend: str, device_type: str,
-                threads: int, conn, parent_pid: int, sys_path: list) -> None:
-    """Entry point of one rank process (the spawn target)."""
+                threads: int, conn, parent_pid: int, sys_path: list, node=None) -> None:
+    """Entry point of one rank process (the spawn target). ``node``: the
+    :class:`labkit.nodes.NodeSpec` of the emulated node this rank lives in, entered first
+    (a user namespace can only be entered while the process has one thread)."""
+    if node is not None:
+        from .nodes import enter
+
+        try:
+            enter(node)
+        except BaseException:
+            conn.send(("error", None, rank, traceback.format_exc()))
+            return
     # A kernel interrupt may signal the whole process group; the parent alone decides
     # what an interrupt means (cancel and restart), so ranks ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -197,6 +197,41 @@ def test_torchrun_degrees_fill_dp_and_must_multiply_to_world_size():
         assert words in str(info.value)
 
 
+def test_node_flags_are_checked_before_launch():
+    """--nodes/--inter-node/--latency-ms: refused with the flag and the numbers."""
+    parser = cli.build_parser()
+
+    def resolve(*argv, world=None):
+        return cli_run.resolve(parser.parse_args(["run", *argv]), torchrun_world=world,
+                               check_machine=False)
+
+    assert resolve("--dp", "4", "--nodes", "2", "--inter-node", "1gbit").world_size == 4
+    for argv, world, words in (
+            (["--dp", "2", "--nodes", "3"], None, "--nodes 3 must divide the world size "
+                                                  "dp·tp·pp·cp = 2"),
+            (["--dp", "2", "--inter-node", "1gbit"], None, "give --nodes 2 or more"),
+            (["--dp", "2", "--nodes", "2", "--inter-node", "fast"], None,
+             "inter_node='fast'"),
+            (["--nodes", "2"], 2, "under torchrun the nodes are torchrun's")):
+        with pytest.raises(cli.UsageError) as info:
+            resolve(*argv, world=world)
+        assert words in str(info.value)
+
+
+@pytest.mark.distributed
+def test_run_with_nodes_asks_for_an_emulated_cluster(cluster2):
+    """`labkit run --nodes 2 --inter-node 200mbit` builds its Cluster with those nodes (the
+    session pool is lent: what runs on the nodes is tests/test_nodes.py's)."""
+    out, err = io.StringIO(), io.StringIO()
+    with lend(cluster2) as asked, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        rc = cli.main(["run", "--dp", "2", "--steps", "1", "--nodes", "2",
+                       "--inter-node", "200mbit"])
+    assert rc == 0, err.getvalue()
+    assert asked == [((), {"world_size": 2, "nodes": 2, "inter_node": "200mbit",
+                           "latency_ms": None})]
+
+
 def test_check_run_fits_counts_model_state_per_rank_on_the_mesh(monkeypatch):
     """Per rank: the larger of the whole fp32 model (4Ψ) and the state once placed on the
     mesh — Ψ/pp parameters each, ZeRO sharding over dp_shard (not the HSDP replicas)."""
@@ -613,3 +648,41 @@ def test_bench_bad_input_exits_2_before_any_rank(no_cluster, capsys, args, words
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "Traceback" not in err
     assert all(w in err for w in words), err
+
+
+@pytest.mark.distributed
+def test_torchrun_two_emulated_nodes_match_the_cluster(cluster_json):
+    """torchrun --nnodes 2, one launcher per emulated node (labkit.nodes.launch: each in
+    its node's network namespace, rendezvous at node 0's address): the same losses and
+    bytes as the one-node cluster, and the gradients' all-reduce really crossed the link
+    (each node's tc counter carries at least the bytes labkit.comm says a rank sent)."""
+    from labkit import nodes
+
+    reason = nodes.probe()
+    if reason:
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{reason} (CI is set, so this is an error, not a skip)")
+        pytest.skip(reason)
+    env_path = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = env_path
+    try:
+        res, link = nodes.launch(2, 1, ["-m", "labkit", *RUN, "--json"], timeout_s=300)
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+    for r in res:
+        assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert res[1].stdout == ""  # rank 0 (node 0) alone prints
+    theirs = json.loads(res[0].stdout)
+    assert theirs["launcher"] == "torchrun" and theirs["world_size"] == 2
+    ours = cluster_json
+    assert theirs["config"] == ours["config"]
+    for a, b in zip(ours["ranks"], theirs["ranks"]):
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)
+        assert a["metrics"]["comm_bytes_by_axis"] == b["metrics"]["comm_bytes_by_axis"]
+    sent = sum(theirs["ranks"][0]["metrics"]["comm_bytes_by_axis"]["dp"].values())
+    steps = theirs["config"]["steps"]
+    assert all(b >= sent * steps for b in link.values()), (link, sent, steps)

@@ -284,7 +284,8 @@ def _model_reference(case):
 def test_whole_model_loss_gradients_and_memory(request, method, cp, zigzag):
     """Every block's attn.core set, tokens/labels/positions sharded: the summed loss and the
     cp-summed gradients (on every rank) equal one process; activations per rank are
-    1/cp of one rank's (plus this rank's rotary rows, plus the gathered K/V for all-gather)."""
+    1/cp of one rank's (plus this rank's rotary rows, plus the gathered K/V for all-gather, the
+    attention output's second copy for Ulysses)."""
     case = jobs.ModelCase(method=method, zigzag=zigzag, cp=cp)
     ref, single = _model_reference(case)
     r = _run(request, case, f"cluster{cp}")
@@ -300,9 +301,12 @@ def test_whole_model_loss_gradients_and_memory(request, method, cp, zigzag):
         assert trace_bytes(r.trace, o["rank"]) == m.n_layers * per_call["total"]
     mem = model_report(r, single)
     assert mem["saved"] == [mem["formula"]] * cp
-    if method != "allgather":
-        rope = case.model.seq_len // cp * case.model.head_dim * 4
+    rope = case.model.seq_len // cp * case.model.head_dim * 4
+    if method == "ring":
         assert mem["saved"][0] == single / cp + rope
+    if method == "ulysses":  # the attention output again, as the output projection's input
+        out = m.n_layers * case.batch * (m.seq_len // cp) * m.n_heads * m.head_dim * 4
+        assert mem["saved"][0] == single / cp + rope + out
 
 
 @pytest.mark.distributed

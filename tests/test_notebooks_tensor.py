@@ -74,11 +74,16 @@ def test_c25_c26_bytes_per_block_equal_the_formula(cells):  # claims C25, C26
     kv = TINY.kv_heads * TINY.head_dim
     for name, _layer, phase, ops, got, formula, norm_grads in rows:
         t, sp = RUNS[name]
-        want = block_bytes_formula(B, TINY.seq_len, TINY.d_model, t, sequence_parallel=sp)
+        want = block_bytes_formula(B, TINY.seq_len, TINY.d_model, t, sequence_parallel=sp,
+                                   regather=sp)
         plain = block_bytes_formula(B, TINY.seq_len, TINY.d_model, t)
-        assert int(got) == int(formula) == want[phase] == plain[phase]    # C26: same bytes
-        assert int(got) == 2 * 2 * (t - 1) / t * B * TINY.seq_len * TINY.d_model * 4  # C25
-        assert ops == ("2 all_gather + 2 reduce_scatter" if sp else "2 all_reduce")
+        unit = (t - 1) / t * B * TINY.seq_len * TINY.d_model * 4   # one all-gather
+        assert int(got) == int(formula) == want[phase]
+        # C26: the SP pair moves the all-reduce's bytes; backward re-gathers the two inputs
+        assert want[phase] == plain[phase] + (2 * unit if sp and phase == "backward" else 0)
+        assert plain[phase] == 2 * 2 * (t - 1) / t * B * TINY.seq_len * TINY.d_model * 4  # C25
+        assert ops == ("2 all_reduce" if not sp else "2 all_gather + 2 reduce_scatter"
+                       if phase == "forward" else "4 all_gather + 2 reduce_scatter")
         extra = block_weight_grad_bytes(TINY.d_model, kv, t, TINY.kv_heads,
                                         sequence_parallel=sp)
         assert int(norm_grads) == (extra if phase == "backward" else 0)
@@ -88,7 +93,8 @@ def test_c25_c26_bytes_per_block_equal_the_formula(cells):  # claims C25, C26
 
 def test_each_collective_sends_its_ring_share(cells):  # claims C25, C26
     """One call at a time: an all-reduce 2(T−1)/T·B·S·H·4 bytes, an all-gather or a
-    reduce-scatter half that, 8 of each kind per rank per step in the 2 blocks."""
+    reduce-scatter half that, 8 of each kind per rank per step in the 2 blocks, and with SP
+    4 more all-gathers (the inputs re-gathered in backward)."""
     out = _checked_output(cells, "ACT_SITES")
     rows = re.findall(r"^(tp\d(?:-sp)?)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+); every call on "
                       r"every rank: (\w+)$", out, re.M)
@@ -99,7 +105,7 @@ def test_each_collective_sends_its_ring_share(cells):  # claims C25, C26
         want = k * (t - 1) / t * B * TINY.seq_len * TINY.d_model * 4
         assert int(got) == int(formula) == want and ok == "True"
         assert rule == ("2" if k == 2 else "") + "(T−1)/T·B·S·H·4"
-        assert int(calls) == 2 * 2 * TINY.n_layers
+        assert int(calls) == (3 if op == "all_gather" else 2) * 2 * TINY.n_layers
         seen.setdefault(name, []).append(op)
     assert seen == {"tp2": ["all_reduce"], "tp4": ["all_reduce"],
                     "tp2-sp": ["all_gather", "reduce_scatter"],
@@ -114,7 +120,9 @@ def test_whole_step_tp_bytes_equal_the_jobs_prediction(cells):
     assert len(sent) == len(predicted) == 4 and sent == predicted
     assert set(sent[0]) == {"all_reduce"} and set(sent[1]) == {"all_gather", "reduce_scatter",
                                                                 "all_reduce"}
-    assert sent[1]["all_gather"] == sent[1]["reduce_scatter"]
+    unit = (2 - 1) / 2 * B * TINY.seq_len * TINY.d_model * 4   # tp2-sp: one all-gather
+    # the two pair inputs of each block and the head's input, re-gathered in backward
+    assert sent[1]["all_gather"] - sent[1]["reduce_scatter"] == (2 * TINY.n_layers + 1) * unit
     assert "every rank of every run: measured == predicted: True" in out
 
 
@@ -143,7 +151,8 @@ def test_model_state_per_rank_divided_by_tp(cells):
 
 
 def test_c18_activation_memory_per_block(cells):  # claim C18
-    out = _checked_output(cells, "block_activation_formula(mc, Bsz, S, T, sequence_parallel=sp)")
+    out = _checked_output(cells, "block_activation_formula(mc, Bsz, S, T, sequence_parallel=sp, "
+                                 "regather=sp)")
     s, h, a = TINY.seq_len, TINY.d_model, TINY.n_heads
     assert f"S·B·H·(34 + 5·A·S/H) = {lecture_activation_bytes(s, B, h, a):,.0f} bytes" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
@@ -152,14 +161,16 @@ def test_c18_activation_memory_per_block(cells):  # claim C18
     one = block_activation_formula(TINY, B, s, 1)
     for name, (got, formula, ok, frac, lecture) in rows.items():
         t, sp = RUNS[name]
-        want = block_activation_formula(TINY, B, s, t, sequence_parallel=sp)
+        want = block_activation_formula(TINY, B, s, t, sequence_parallel=sp, regather=sp)
         assert _int(got) == _int(formula) == want and ok == "True"
         assert float(frac) == pytest.approx(want / one, abs=1e-4)
         lec = (lecture_activation_bytes(s, B, h, a, t, sequence_parallel=sp, recompute=True)
                / lecture_activation_bytes(s, B, h, a, recompute=True))
         assert float(lecture) == pytest.approx(lec, abs=1e-4)
-        if t > 1:  # TP divides most, but not all; SP divides more, still above 1/T here
+        if t > 1 and not sp:  # TP divides most, but not the norms and the pair inputs
             assert 1 / t < float(frac) < 1
+        if sp:  # SP with the pair inputs' shards kept: every term, exactly 1/T
+            assert float(frac) == pytest.approx(1 / t, abs=1e-4) and want * t == one
     assert float(rows["tp2-sp"][3]) < float(rows["tp2"][3])
     assert float(rows["tp4-sp"][3]) < float(rows["tp4"][3])
     out = _checked_output(cells, "regather=True")
@@ -170,6 +181,30 @@ def test_c18_activation_memory_per_block(cells):  # claim C18
                                                  regather=True, recompute=True)
         assert f"T={t}: SP + regather + core recomputed: {b:,} bytes per block, {1 / t:.4f} of" \
             in out
+
+
+def test_c18_by_part_in_bf16_is_the_count_plus_named_terms(cells):  # claim C18
+    """The job's own blocks (tp 2, SP, bf16 under autocast), per part: the stored bytes are
+    labkit.measure.layer_activations' prediction, Korthikanti et al.'s count plus the named
+    terms (1/rms per norm; the fp32 residual stream under autocast), and nothing else."""
+    from labkit.config import RunConfig
+    from labkit.measure.layer_activations import predicted_layer_activations
+
+    out = _checked_output(cells, "job_layer_activations")
+    cfg = RunConfig(steps=3, global_batch=2, count_flops=False, parallel=dict(tp=2),
+                    sequence_parallel=True, precision="bf16")
+    want = predicted_layer_activations(cfg)
+    rows = re.findall(r"^(\w+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["attn_norm", "attn", "mlp_norm", "mlp"]
+    for part, got, c18, total in rows:
+        assert _int(got) == _int(total) == want["total"][part]
+        assert _int(c18) == want["megatron"][part]
+    terms = dict(re.findall(r"^named term: (.+): ([\d,]+) B$", out, re.M))
+    assert {k: _int(v) for k, v in terms.items()} == {
+        k: sum(v.values()) for k, v in want["adjustments"].items()}
+    assert set(terms) == {"1/rms per norm (fp32)",
+                          "fp32 residual stream (autocast): norm inputs"}
+    assert "every part of every block on every rank == count + named terms: True" in out
 
 
 def test_c33_tp_sends_far_more_than_pp(cells):  # claim C33
@@ -212,10 +247,11 @@ def test_the_cluster_outlives_the_notebook(cells):
 
 
 def test_every_run_is_the_one_training_job(cells):
-    """TP and TP+SP go through labkit.train.run with the degrees in RunConfig.parallel."""
+    """TP and TP+SP go through labkit.train.run with the degrees in RunConfig.parallel; the
+    per-part activation count (§7) builds the same job's stages (labkit.train.build)."""
     source = "\n".join(c.source for c in cells)
     assert "from labkit.train import reference, run" in source
     assert "BASE.replace(parallel=dict(tp=tp), sequence_parallel=sp)" in source
     assert "tp_run(2, sp=True)" in source and "tp_run(4, sp=True)" in source
     calls = re.findall(r"cluster\.run\((\w[\w.]*),", source)
-    assert calls and set(calls) == {"run"}, calls
+    assert calls and set(calls) == {"run", "job_layer_activations"}, calls

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from labkit.train import run
 
-__all__ = ["train_traced", "train_untraced", "timed_train"]
+__all__ = ["train_traced", "train_untraced", "timed_train", "matmul_burn"]
 
 
 def train_traced(ctx, cfg) -> dict:
@@ -27,3 +27,19 @@ def timed_train(ctx, cfg) -> dict:
     """``labkit.train.run`` inside one traced ``job`` region: the rank's own job time."""
     with ctx.tracer.region("job"):
         return run(ctx, cfg)
+
+
+def matmul_burn(ctx, n: int) -> tuple:
+    """``(wall s, CPU s of this thread)`` for ``n`` 256×256 float32 matmuls on this rank:
+    compute only, no communication (benchmarks/multinode.py's cost of emulated nodes). The
+    CPU time does not count the time a rank waits for a core on a shared machine."""
+    import time
+
+    import torch
+
+    a = torch.randn(256, 256)
+    torch.mm(a, a)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        a = torch.mm(a, a).clamp_(-1, 1)
+    return time.perf_counter() - t0, time.thread_time() - c0

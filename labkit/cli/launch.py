@@ -35,7 +35,14 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     faults: list = []
     try:
-        with Cluster(world_size=r.world_size) as cluster:
+        from ..nodes import DEFAULT_INTER_NODE
+
+        nodes = {} if args.nodes == 1 else {
+            "nodes": args.nodes, "inter_node": args.inter_node or DEFAULT_INTER_NODE,
+            "latency_ms": args.latency_ms}
+        with Cluster(world_size=r.world_size, **nodes) as cluster:
+            net = getattr(cluster, "network", None)
+            before = net.link_bytes() if net is not None else None
             if r.cfg.faults:  # injected: detect, restart once, run again without them
                 from ..faults.recover import run_resilient
 
@@ -52,6 +59,11 @@ def cmd_run(args) -> int:
             else:
                 result = cluster.run(train, r.cfg)
             backend = cluster.backend
+            if net is not None:
+                after = net.link_bytes()
+                r.notes["nodes"] = {"nodes": cluster.nodes, "inter_node_Bps": cluster.inter_node,
+                                    "link_bytes": {k: after[k] - before[k] for k in after},
+                                    "describe": net.describe()}
     except (RankError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

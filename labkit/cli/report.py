@@ -149,6 +149,11 @@ def _header(console, cfg, m0: dict, world: int, info: dict) -> None:
     console.print(f"labkit run · model {mc.name} · {layers} · {m0['n_params']:,} params · "
                   f"world {world} · backend {info.get('backend', '?')} · launcher "
                   f"{info.get('launcher', '?')}")
+    nodes = info.get("nodes")
+    if nodes:
+        sent = " · ".join(f"node {k} {v / 1e6:,.2f} MB"
+                          for k, v in sorted(nodes["link_bytes"].items()))
+        console.print(f"emulated nodes: {nodes['describe']} · sent across: {sent}")
     parts = [" · ".join(f"{k} {getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep")
                         if k in ("dp", "pp") or getattr(p, k) > 1)]
     mesh = cfg.mesh

@@ -150,6 +150,8 @@ NOT_FLAGS = {
 
 #: flags that shape the output, not the run
 OUTPUT_FLAGS = ("trace", "json")
+#: flags of the own cluster (emulated nodes, labkit.nodes), not of the run's config
+CLUSTER_FLAGS = ("nodes", "inter_node", "latency_ms")
 
 
 def _dest(f: Flag) -> str:
@@ -170,6 +172,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                            metavar=f.metavar, **kw)
         else:
             g.add_argument(f.flag, type=f.type, metavar=f.metavar, **kw)
+    c = parser.add_argument_group("cluster (emulated nodes)")
+    c.add_argument("--nodes", type=int, default=1, metavar="N",
+                   help="place the ranks in N emulated nodes, consecutive blocks of ranks "
+                        "(tp innermost), each a private network namespace (labkit.nodes)")
+    c.add_argument("--inter-node", default=None, metavar="RATE",
+                   help="each node's link to the others, per direction: a tc rate "
+                        "(default 500mbit) or bytes/s")
+    c.add_argument("--latency-ms", type=float, default=None, metavar="MS",
+                   help="one-way node-to-node delay (needs the kernel's netem)")
     out = parser.add_argument_group("output")
     out.add_argument("--trace", metavar="PATH", default=None,
                      help="write the run's Chrome/Perfetto trace JSON to PATH")
@@ -186,7 +197,7 @@ def config_from_args(args: argparse.Namespace):
     from ..config import PRESETS, RunConfig, preset
 
     given = {k: v for k, v in vars(args).items()
-             if k not in OUTPUT_FLAGS and k not in ("command", "func")}
+             if k not in OUTPUT_FLAGS + CLUSTER_FLAGS and k not in ("command", "func")}
     model = given.pop("model", RunConfig.model)
     n_layers = given.pop("n_layers", None)
     if n_layers is not None:
@@ -204,6 +215,27 @@ class Resolved(NamedTuple):
     cfg: object
     world_size: int
     notes: dict
+
+
+def _check_nodes(args: argparse.Namespace, world: int, torchrun: bool) -> None:
+    """``--nodes``/``--inter-node``/``--latency-ms`` fit this run (``ValueError`` naming the
+    flag and the numbers)."""
+    from ..nodes import parse_rate
+
+    nodes = getattr(args, "nodes", 1)
+    extra = getattr(args, "inter_node", None) is not None or getattr(args, "latency_ms", None)
+    if torchrun and (nodes != 1 or extra):
+        raise ValueError("--nodes/--inter-node/--latency-ms place an own cluster's ranks; "
+                         "under torchrun the nodes are torchrun's (--nnodes): run `python -m "
+                         "labkit.nodes launch --nodes N -- -m labkit run ...` for emulated ones")
+    if nodes < 1 or world % nodes:
+        raise ValueError(f"--nodes {nodes} must divide the world size dp·tp·pp·cp = {world} "
+                         "(the same number of ranks in every node)")
+    if extra and nodes == 1:
+        raise ValueError("--inter-node/--latency-ms shape the links between nodes: give "
+                         "--nodes 2 or more")
+    if getattr(args, "inter_node", None) is not None:
+        parse_rate(args.inter_node)
 
 
 def resolve(args: argparse.Namespace, torchrun_world: Optional[int] = None,
@@ -239,6 +271,7 @@ def resolve(args: argparse.Namespace, torchrun_world: Optional[int] = None,
             cfg = _torchrun_degrees(cfg, torchrun_world, "dp" in vars(args))
         world = cfg.parallel.world_size
         notes: dict = {}
+        _check_nodes(args, world, torchrun_world is not None)
         if "n_layers" not in vars(args):
             from ..parallel.pipeline.report import deepen_for_pipeline
 

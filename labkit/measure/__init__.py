@@ -8,6 +8,8 @@
   :mod:`labkit.measure.rank_peak` — the peak one rank of a running job divides by.
 * :mod:`labkit.measure.mfu` — the lecture's five-step MFU and its rating.
 * :mod:`labkit.measure.memory` — bytes by category for one step (torch's ``MemTracker``).
+* :mod:`labkit.measure.layer_activations` — what each layer of the job keeps for backward,
+  by part, beside Korthikanti et al.'s count (C18) and labkit's named extra terms.
 """
 from labkit.measure.flops import (FlopCount, count_flops, flops_per_token, matmul_params,
                                   sdpa_cpu_flops, transformer_flops_per_token)

@@ -38,15 +38,16 @@ fewer on the first and last stage, as Llama 3 did), sequence 8,192, 16 microbatc
 ZeRO-1, bf16, sequence parallelism, full recomputation. Parameters and gradients equal the
 planner's to the byte, the optimizer state differs only by Adam's 4-byte step counters. At
 its activation peak pipeline rank 1 (rank 1024: 8 layers, 15 microbatches in flight, the
-rank the planner finds fullest) holds 5.717 GiB: the layer inputs the planner counts (3.750
-GiB, to the byte), one rebuilt layer (1.282 GiB, where Megatron-LM's count is 0.598: labkit's
-block saves the gathered sequence-parallel inputs, fp32 norm copies and the repeated K/V),
-16 stage outputs (0.500 GiB: kept until the flush ends; Megatron-LM frees them once sent),
-15 microbatches' rotary tables (0.059 GiB) — each equal to its planned term to the byte —
-and, not modelled, 3 receive buffers (a gradient in use, two posted ahead: 0.094 GiB) and
-the first microbatch's received input, which torch's tracker keeps after its backward
-(0.031 GiB). Planned with labkit's terms 5.590 GiB (-2.2 %); Megatron-LM's accounting 4.348
-GiB (-24 %). Rank 0 (7 layers, 16 in flight): 5.441 GiB measured, 5.344 planned (-1.8 %).
+rank the planner finds fullest) holds 5.021 GiB: the layer inputs the planner counts (3.750
+GiB, to the byte), 15 stage outputs (0.469 GiB: kept until the flush ends; Megatron-LM
+frees them once sent), 15 microbatches' rotary tables (0.059 GiB, to the byte), the
+temporaries of the layer whose forward is running (0.648 GiB: the peak falls in the last
+microbatch's forward, since a rebuilt layer keeps only C18's count plus the norms' 1/rms,
+0.536 GiB) and, not modelled, 2 receive buffers (0.062 GiB) and the first microbatch's
+received input, which torch's tracker keeps after its backward (0.031 GiB). Planned with
+labkit's terms 4.844 GiB (-3.5 %); Megatron-LM's accounting 4.348 GiB (-13 %). Without
+recomputation the rank holds 72.68 GiB, planned 72.34 (-0.5 %), Megatron-LM's 71.78
+(-1.2 %). (Before labkit's layers kept what C18 counts: 5.717 and 151.53 GiB.)
 30-42 s of CPU per rank on the shared 2-core machine (load 1-10), nearly all of it the
 tracked step: torch's fake-tensor dispatch (~45 %) under the memory trackers, autograd and
 recomputation; building the stage's 8 blocks costs 0.05 s, the whole model's 126 took 0.8.

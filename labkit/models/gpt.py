@@ -18,30 +18,14 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .moe import Experts, MoE
+from .norm import RMSNorm
 
 __all__ = ["GPT", "Block", "NotBuilt", "Attention", "SwiGLU", "RMSNorm", "rope_tables",
-           "apply_rope", "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS"]
+           "apply_rope", "attention_core", "rope_slice", "count_params", "ATTENTION_IMPLS",
+           "compute_dtype", "heads"]
 
 ATTENTION_IMPLS = ("sdpa", "math")
 INIT_STD = 0.02  # GPT-2 / Llama reference initialisation
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019, eq. 4): ``x / rms(x) * g``.
-
-    Input ``(..., H)``, output same shape and dtype. The statistic is taken in float32
-    so that bf16/fp16 activations do not lose the small-variance tail.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0,
@@ -82,11 +66,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype autocast would run its matmuls in (unchanged outside autocast).
+
+    Autocast casts an activation anew for every matmul that reads it, and each matmul saves
+    its own copy for backward: Q, K and V (or SwiGLU's gate and up) would keep three (two)
+    copies of one input. Casting once before them leaves one (Megatron-LM's fused QKV keeps
+    one input too; Korthikanti et al. 2022 §4.1 count it once). The values are the same."""
+    dev = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
+def heads(y: torch.Tensor, n: int, head_dim: int,
+          rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """A projection's output ``(B, S, n·D)`` as heads ``(B, n, S, D)``, rotated by ``rope``
+    (``(cos, sin)`` each ``(S, D/2)``) when given.
+
+    The result is a transposed view of a ``(B, S, n, D)`` tensor: rotary runs before the
+    transpose, so PyTorch's SDPA, which lays its output out like its query, returns the
+    attention output as ``(B, S, A, D)`` in memory, and the output projection's input
+    ``(B, S, A·D)`` is a view of the output SDPA keeps for backward, not a second copy
+    (Korthikanti et al. 2022 §4.1 count the projection input once)."""
+    b, s, _ = y.shape
+    y = y.view(b, s, n, head_dim)
+    if rope is not None:
+        cos, sin = rope
+        y = apply_rope(y, cos[:, None], sin[:, None])
+    return y.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with grouped-query K/V heads and no biases.
 
     ``wq``: H→A·D, ``wk``/``wv``: H→K·D, ``wo``: A·D→H. Each group of ``A/K`` query heads
-    shares one K/V head (Ainslie et al. 2023, §2), which we realise by repeating K/V heads.
+    shares one K/V head (Ainslie et al. 2023, §2); the K/V heads are never repeated in memory
+    (:func:`attention_core`).
 
     Args:
         causal: mask future positions (decoder) or attend everywhere (ViT encoder).
@@ -121,12 +137,10 @@ class Attention(nn.Module):
         grouped-query repeat; it returns ``(B, A, S, D)``.
         """
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        x = compute_dtype(x)
+        q = heads(self.wq(x), self.n_heads, self.head_dim, rope)
+        k = heads(self.wk(x), self.n_kv_heads, self.head_dim, rope)
+        v = heads(self.wv(x), self.n_kv_heads, self.head_dim)
         if self.core is not None:  # context parallelism swaps in its own attention
             out = self.core(q, k, v)
         else:
@@ -139,23 +153,26 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """``softmax(QKᵀ/√D + mask)V`` (Vaswani et al. 2017, eq. 1), grouped-query aware.
 
     ``q`` ``(B, A, S, D)``; ``k``, ``v`` ``(B, K, S, D)`` with ``K`` dividing ``A``: each group
-    of ``A/K`` query heads shares one K/V head (Ainslie et al. 2023, §2), realised by repeating
-    the K/V heads. ``impl="sdpa"`` calls ``F.scaled_dot_product_attention``, ``"math"`` the
-    explicit formula. Returns ``(B, A, S, D)``.
+    of ``A/K`` consecutive query heads shares one K/V head (Ainslie et al. 2023, §2). The K/V
+    heads are never repeated in memory: ``impl="sdpa"`` calls
+    ``F.scaled_dot_product_attention`` with ``enable_gqa`` (its kernel reads each K/V head for
+    its group; backward keeps ``q``, ``k``, ``v``, the output and the log-sum-exp, no
+    probabilities), ``"math"`` the explicit formula with each group's queries stacked as
+    ``(B, K, A/K·S, D)`` against their K/V head (it keeps the probabilities, ``A·S²``).
+    Returns ``(B, A, S, D)``.
     """
-    if k.shape[1] != q.shape[1]:
-        # materialised repeat keeps both impls on the same, plain MHA code path
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
     if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    s = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    b, a, s, d = q.shape
+    n_kv, group = k.shape[1], a // k.shape[1]
+    qg = q.reshape(b, n_kv, group * s, d)      # query head j·(A/K) + i reads K/V head j
+    scores = ((qg @ k.transpose(-2, -1)) / math.sqrt(d)).view(b, n_kv, group, s, s)
     if causal:
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    return scores.float().softmax(dim=-1).type_as(q) @ v
+    probs = scores.float().softmax(dim=-1).type_as(q).view(b, n_kv, group * s, s)
+    return (probs @ v).view(b, a, s, d)
 
 
 class SwiGLU(nn.Module):
@@ -172,6 +189,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(ffn_dim, d_model, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = compute_dtype(x)  # one saved copy for w1 and w3 under autocast
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

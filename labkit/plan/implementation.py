@@ -2,7 +2,7 @@
 
 :mod:`labkit.plan.activations` counts activations as Megatron-LM keeps them (Korthikanti et
 al. 2022). labkit's job (:func:`labkit.train.run`) runs the same algorithms but keeps more
-in four places; each term below names the code that keeps it. They were found by listing
+in the places below; each term names the code that keeps it. They were found by listing
 the tensors a measured rank held at its activation peak (:mod:`labkit.measure.fake_rank`,
 Llama 3 405B at TP 8 × PP 16 × DP 128), and with them the prediction meets the measurement.
 
@@ -10,9 +10,10 @@ Per pipeline rank ``i`` (bytes):
 
 * **kept layers** ``kept · L_i · n_i``: with full recomputation Megatron's ``kept`` (each
   layer's input, which labkit keeps too); without, the rebuilt layer's bytes below;
-* **rebuilt layer** :func:`labkit_block_bytes` instead of Korthikanti's per-layer count,
-  plus (with SP) the MLP's ``(s/t, h)`` input, alive while the MLP, the rebuild's last
-  part, is recomputed;
+* **rebuilt layer** :func:`labkit_block_bytes` (Korthikanti's per-layer count plus the
+  norms' ``1/rms``) less the layer's input, which the rebuild's first norm saves without
+  copying it, and less the residual sum the second norm saves (torch's tracker files it
+  as a temporary of the rebuild);
 * **stage outputs** ``M · 2·b·(s/cp)·h`` (÷t with SP) for each stage of the rank but the
   model's last;
 * **rotary tables** ``n_i · 2 · (s/cp) · (d/2) · 4`` with sequence or context parallelism;
@@ -27,17 +28,15 @@ flush, ``b`` sequences of ``s`` tokens, ``d`` the head size.
   frees the output's data as soon as it is sent and keeps only its autograd node
   (``deallocate_output_tensor``; ``deallocate_pipeline_outputs=True`` in its training
   arguments).
-* **The rebuilt layer** (full recomputation rebuilds one layer at a time). Under bf16
-  autocast labkit's block saves, per token and tp rank: each RMSNorm's fp32 copy of its input,
-  its bf16 normalised input and fp32 ``1/rms`` (``6h + 4`` bytes per norm, ÷t with SP;
-  Megatron: the 16-bit input, ``2h``); the **all-gathered** ``(s, h)`` input of the QKV and
-  of the MLP matmuls (labkit's sequence parallelism saves what it gathered; Megatron saves
-  the ``s/t`` shard and gathers again in backward, Korthikanti et al. 2022 §4.2.2); the
-  rotated Q, **K and V repeated** to the rank's query heads (grouped-query attention repeats
-  them before SDPA; Megatron stores the ``k`` heads), SDPA's output and fp32 log-sum-exp; a
-  copy of the output as the projection's input; SwiGLU's gate, up, silu and product. The
-  same terms as :func:`labkit.parallel.tensor.activations.block_activation_formula` (fp32),
-  with each tensor's own width.
+* **The rebuilt layer** (full recomputation rebuilds one layer at a time). labkit's block
+  keeps, per token and tp rank, what Korthikanti et al. 2022 (§4.1) count for it — each
+  RMSNorm's input in the compute dtype, the QKV and MLP inputs (with SP the ``s/t`` shard,
+  all-gathered again in backward, §4.2.2), the rotated Q, the K and V heads at their own
+  width (SDPA reads each for its group of query heads), SDPA's output, which the projection
+  reads as a view, and its fp32 log-sum-exp, SwiGLU's gate, up, silu and product — plus
+  each norm's fp32 ``1/rms`` (4 bytes per token, ÷t with SP), which Megatron-LM's fused
+  norm keeps too and the paper leaves out: :func:`labkit_block_bytes`, the same terms as
+  :func:`labkit.parallel.tensor.activations.block_activation_parts`.
 * **Rotary tables.** With sequence or context parallelism the stage's positions are set and
   ``labkit.models.gpt.rope_slice`` indexes the fp32 cos and sin rows per forward; the
   checkpointed layers keep them for their recomputation.
@@ -57,12 +56,15 @@ def labkit_block_bytes(model, b: int, s: int, tp: int = 1, sp: bool = False,
                        act_bytes: int = 2) -> dict:
     """Bytes one block of labkit's GPT saves for backward on one of ``tp`` ranks, for ``b``
     sequences of ``s`` tokens each (the tokens attention sees: ``s/cp`` with context
-    parallelism), under autocast to ``act_bytes``-byte activations (2: bf16; 4: fp32). SDPA
-    (flash) attention, SwiGLU, RMSNorm, grouped-query K/V repeated before attention; sequence
-    parallelism without re-gathering (labkit's).
+    parallelism), in ``act_bytes``-byte activations (2: bf16 weights; 4: fp32). SDPA (flash)
+    attention, SwiGLU, RMSNorm, grouped-query K/V at their own width; with sequence
+    parallelism the column-parallel inputs kept as the ``s/t`` shard (the job re-gathers them
+    in backward). Megatron-LM's per-layer count (:mod:`labkit.plan.activations`, no dropout)
+    plus each norm's fp32 ``1/rms`` (4 bytes per token): the same terms as
+    :func:`labkit.parallel.tensor.activations.block_activation_parts`.
 
     Returns:
-        ``{"norms", "gathered_inputs", "attention", "projection_input", "mlp", "total"}``.
+        ``{"norms", "norm statistics", "inputs", "attention", "mlp", "total"}``.
 
     Raises:
         ValueError: a model labkit's GPT is not (a GELU MLP or eager attention).
@@ -70,21 +72,16 @@ def labkit_block_bytes(model, b: int, s: int, tp: int = 1, sp: bool = False,
     if model.mlp != "swiglu" or model.attention != "flash":
         raise ValueError(f"labkit's GPT has a SwiGLU MLP and SDPA attention, got "
                          f"mlp={model.mlp!r}, attention={model.attention!r}")
-    h, f = model.d_model, model.d_ff
+    h, f, d, e = model.d_model, model.d_ff, model.head_dim, act_bytes
     a_t = model.n_heads // tp
-    d = model.head_dim
+    kv = int(max(model.kv_dim // tp, d))   # K_T·D: one head each when kv heads < tp
     T = b * s
-    split = tp if sp else 1
-    # norm input as fp32 (a copy under bf16 autocast), normalised input, fp32 1/rms
-    norms = 2 * (T // split) * (4 * h + act_bytes * h + 4)
-    gathered = 2 * T * h * act_bytes              # QKV input and MLP input, full sequence
-    # rotated Q, K and V repeated to a_t heads, output; fp32 log-sum-exp
-    attention = T * 4 * a_t * d * act_bytes + T * a_t * 4
-    # the projection's input is a copy of the output, except a view with one local head
-    proj = 0 if a_t == 1 else T * a_t * d * act_bytes
-    mlp = T * 4 * (f // tp) * act_bytes
-    out = {"norms": norms, "gathered_inputs": gathered, "attention": attention,
-           "projection_input": proj, "mlp": mlp}
+    local = T // (tp if sp else 1)         # tokens of the residual stream on this rank
+    # rotated Q, K, V, the output (also the projection's input: a view); fp32 log-sum-exp
+    attention = T * e * (2 * a_t * d + 2 * kv) + T * a_t * 4
+    out = {"norms": 2 * local * e * h, "norm statistics": 2 * local * 4,
+           "inputs": 2 * local * e * h, "attention": attention,
+           "mlp": T * 4 * (f // tp) * e}
     out["total"] = sum(out.values())
     return out
 
@@ -115,9 +112,11 @@ def labkit_activation_terms(model, layout, layers_per_rank: list, act_bytes: int
     s_local, t, sp, b = s // layout.cp, layout.tp, layout.sp, layout.microbatch
     block = labkit_block_bytes(model, b, s_local, t, sp, act_bytes)["total"]
     boundary = b * (s_local // (t if sp else 1)) * model.d_model * act_bytes
-    # in fp32 the first norm saves the layer input itself, already kept: no new storage;
-    # with SP the MLP's input shard is alive while the MLP is rebuilt (the rebuild's end)
-    rebuilt = block - (boundary if act_bytes == 4 else 0) + (boundary if sp else 0)
+    # the first norm saves the layer input itself, already kept: no new storage; the second
+    # norm's input, the residual sum the block computes between its children, is rebuilt
+    # too, but torch's MemTracker files what a checkpointed block computes outside its
+    # children during the rebuild as temporaries, not activations (measured)
+    rebuilt = block - 2 * boundary
     rope = 2 * s_local * (model.head_dim // 2) * 4 if (sp or layout.cp > 1) else 0
     p = layout.pp
     head = (4 * b * s_local * model.vocab_size / t

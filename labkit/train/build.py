@@ -211,7 +211,8 @@ def _tensor_parallel(setup: RankSetup) -> None:
     """Each stage sliced to this rank's tensor-parallel shard (Shoeybi et al. 2019 §3;
     Korthikanti et al. 2022 for sequence parallelism): column/row-parallel attention and
     SwiGLU, vocab-parallel embedding, head and cross-entropy. Every tp rank computes the same
-    loss and ends backward with complete gradients for its shard."""
+    loss and ends backward with complete gradients for its shard. With sequence parallelism
+    the column-parallel inputs are re-gathered in backward (``regather``)."""
     cfg, mg = setup.cfg, setup.mg
     if cfg.parallel.tp == 1:
         return
@@ -219,9 +220,11 @@ def _tensor_parallel(setup: RankSetup) -> None:
 
     seq = cfg.model_config.seq_len // cfg.parallel.cp  # what attention sees on this rank
     for m in setup.stages.values():
+        # with SP, column-parallel matmuls keep the S/T shard and re-gather it in backward,
+        # as Megatron-LM does (Korthikanti et al. 2022 §4.2.2; claim C18)
         setup.tp_info = apply_tensor_parallel(m, mg.group("tp"),
                                               sequence_parallel=cfg.sequence_parallel,
-                                              seq_len=seq)
+                                              regather=cfg.sequence_parallel, seq_len=seq)
 
 
 def _context_parallel(setup: RankSetup) -> None:

@@ -289,6 +289,8 @@ def _tp_predicted(setup) -> dict:
     * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
       all-gathered back in backward); the head (last stage): its input's gradient
       all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * with SP each column-parallel input (the block's two, the head's) is all-gathered
+      again in backward: the job keeps the ``S/T`` shard (``regather``);
     * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
       fp32 (all-reduces).
 
@@ -326,8 +328,9 @@ def _tp_predicted(setup) -> dict:
         out[op] = out.get(op, 0.0) + n * cfg.accum_steps
 
     if sp:  # per region: all-gather input (res) + reduce-scatter output (act) forward,
-        # all-gather output gradient (act) + reduce-scatter input gradient (res) backward
-        add("all_gather", layers * (fwd * res / act + bwd * act / res) / 2)
+        # all-gather output gradient (act) + reduce-scatter input gradient (res) backward,
+        # and both column-parallel inputs (res) gathered again in backward (regather)
+        add("all_gather", layers * ((fwd * res / act + bwd * act / res) / 2 + 2 * u_res))
         add("reduce_scatter", layers * (fwd + bwd) / 2)
     else:
         add("all_reduce", layers * (fwd + bwd))
@@ -349,8 +352,8 @@ def _tp_predicted(setup) -> dict:
             if sp:
                 add("all_gather", u_res)
         if m.is_last:
-            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too
-                add("all_gather", u_res)
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
+                add("all_gather", 2 * u_res)  # the head's input, gathered again in backward
                 add("reduce_scatter", u_res)
                 add("all_reduce", ar(h * wgt))
             else:

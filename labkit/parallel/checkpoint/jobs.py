@@ -9,18 +9,20 @@ block differs term by term (:data:`TERMS`, fp32 = 4 bytes, MHA ``K·D = H``):
 =======================  ==========================  ========================================
 term                     GPT-2 block (bytes)         labkit block (bytes)
 =======================  ==========================  ========================================
-2 norms                  ``4SBH`` (LN inputs)        ``16SBH + 8SB``: RMSNorm input, normalised
-                                                     ``x̂`` (for the weight grad), ``rsqrt``
+2 norms                  ``4SBH`` (LN inputs)        ``8SBH + 8SB``: RMSNorm input, fp32
+                                                     ``1/rms`` (the normalised input is
+                                                     rebuilt in backward)
 QKV input                ``2SBH``                    ``4SBH``
-Q, K for ``QKᵀ``         ``4SBH``                    ``8SBH`` (after RoPE; rotating by a
-                                                     constant table saves nothing more)
+Q, K for ``QKᵀ``         ``4SBH``                    ``4SBH + 4SB·KD`` (after RoPE; rotating
+                                                     by a constant table saves nothing more)
 softmax, its dropout     ``2AS²B + AS²B + 2AS²B``    SDPA (flash on CPU): output ``4SBH`` +
 mask and output                                      log-sum-exp ``4ASB``; no ``S²`` term, no
                                                      dropout. ``attention="math"``: softmax
                                                      output ``4AS²B`` + causal mask ``S²``
-V                        ``2SBH``                    ``4SBH`` (with GQA the K/V heads are
-                                                     repeated before attention: still ``H``)
-out-projection input     ``2SBH``                    ``4SBH``
+V                        ``2SBH``                    ``4SB·KD`` (with GQA the kernel reads
+                                                     each K/V head for its group: ``KD ≤ H``)
+out-projection input     ``2SBH``                    0 with SDPA (a view of its saved
+                                                     output); ``4SBH`` with ``"math"``
 attention dropout mask   ``SBH``                     0 (no dropout)
 MLP input                ``2SBH``                    ``4SBH`` (shared by ``w1``, ``w3``)
 GeLU in / out (4H wide)  ``8SBH + 8SBH``             SwiGLU (``F`` wide): ``w1·x``, ``w3·x``,
@@ -28,8 +30,10 @@ GeLU in / out (4H wide)  ``8SBH + 8SBH``             SwiGLU (``F`` wide): ``w1·
 MLP dropout mask         ``SBH``                     0
 =======================  ==========================  ========================================
 
-Adjusted formula (SDPA): ``4·S·B·(11H + 4F + A + 2)`` bytes; with ``attention="math"`` the
-SDPA output and log-sum-exp give way to the softmax: ``4SB(10H + 4F + 2) + 4AS²B + S²``.
+Adjusted formula (SDPA): ``4·S·B·(6H + 2KD + 4F + A + 2)`` bytes, ``4·S·B·(8H + 4F + A + 2)``
+with ``KD = H``; with
+``attention="math"`` the log-sum-exp gives way to the softmax and the projection keeps its
+own input: ``4SB(8H + 4F + 2) + 4AS²B + S²``.
 :func:`measure_layer_activations` measures it with saved-tensor hooks.
 
 **The job.** :func:`train_policy` trains the GPT under a checkpoint policy and reports step
@@ -66,10 +70,10 @@ __all__ = ["TERMS", "korthikanti_layer_bytes", "adjusted_layer_bytes", "layer_te
            "measure_policy", "train_policy"]
 
 #: (term, GPT-2 block, labkit block) as text, the rows of the module docstring's table.
-TERMS = (("2 norms", "4SBH", "16SBH + 8SB"), ("QKV input", "2SBH", "4SBH"),
-         ("Q, K", "4SBH", "8SBH"),
+TERMS = (("2 norms", "4SBH", "8SBH + 8SB"), ("QKV input", "2SBH", "4SBH"),
+         ("Q, K", "4SBH", "4SBH + 4SB·KD"),
          ("softmax + dropout", "5AS²B", "4SBH + 4ASB (SDPA) | 4AS²B + S² (math)"),
-         ("V", "2SBH", "4SBH"), ("out-proj input", "2SBH", "4SBH"),
+         ("V", "2SBH", "4SB·KD"), ("out-proj input", "2SBH", "0 (SDPA) | 4SBH (math)"),
          ("attn dropout mask", "SBH", "0"), ("MLP input", "2SBH", "4SBH"),
          ("GeLU in/out | SwiGLU", "16SBH", "16SBF"), ("MLP dropout mask", "SBH", "0"))
 
@@ -83,17 +87,19 @@ def layer_terms(cfg: ModelConfig, batch: int, seq: Optional[int] = None,
                 attention: str = "sdpa") -> dict[str, int]:
     """labkit's block, term by term, in bytes (fp32) — the right column of :data:`TERMS`."""
     s, b, h, a = seq or cfg.seq_len, batch, cfg.d_model, cfg.n_heads
-    f, sb = cfg.ffn_dim, s * batch
-    core = 4 * sb * h + 4 * a * sb if attention == "sdpa" else 4 * a * s * s * b + s * s
-    return {"2 norms": 16 * sb * h + 8 * sb, "QKV input": 4 * sb * h, "Q, K": 8 * sb * h,
-            "softmax + dropout": core, "V": 4 * sb * h, "out-proj input": 4 * sb * h,
+    f, sb, kd = cfg.ffn_dim, s * batch, cfg.kv_heads * cfg.head_dim
+    sdpa = attention == "sdpa"
+    core = 4 * sb * h + 4 * a * sb if sdpa else 4 * a * s * s * b + s * s
+    return {"2 norms": 8 * sb * h + 8 * sb, "QKV input": 4 * sb * h, "Q, K": 4 * sb * (h + kd),
+            "softmax + dropout": core, "V": 4 * sb * kd,
+            "out-proj input": 0 if sdpa else 4 * sb * h,
             "attn dropout mask": 0, "MLP input": 4 * sb * h, "GeLU in/out | SwiGLU": 16 * sb * f,
             "MLP dropout mask": 0}
 
 
 def adjusted_layer_bytes(cfg: ModelConfig, batch: int, seq: Optional[int] = None,
                          attention: str = "sdpa") -> int:
-    """Sum of :func:`layer_terms`: ``4SB(11H + 4F + A + 2)`` bytes for SDPA."""
+    """Sum of :func:`layer_terms`: ``4SB(6H + 2KD + 4F + A + 2)`` bytes for SDPA."""
     return sum(layer_terms(cfg, batch, seq, attention).values())
 
 

@@ -33,7 +33,7 @@ from ...trace import current_tracer, region, use_tracer
 
 __all__ = ["FULL", "DIAGONAL", "SKIPPED", "block_kind", "plan_blocks", "unmasked_pairs",
            "block_forward", "block_backward", "merge", "WorkCounter", "LocalAttention",
-           "AttentionSpec", "forward_blocks", "backward_blocks", "group_heads"]
+           "AttentionSpec", "forward_blocks", "backward_blocks", "group_heads", "output_like"]
 
 FULL, DIAGONAL, SKIPPED = "full", "diagonal", "skipped"
 
@@ -61,6 +61,16 @@ def group_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     """``(B, A, S, D)`` → ``(B, K, A/K, S, D)``: query head ``a`` uses K/V head ``a // G``."""
     b, a, s, d = q.shape
     return q.reshape(b, n_kv, a // n_kv, s, d)
+
+
+def output_like(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The merged output ``out`` (any layout, ``q``'s element count) as a tensor of ``q``'s
+    shape, dtype and memory layout: the attention module hands its query in as a transposed
+    ``(B, S, A, D)`` tensor (:func:`labkit.models.gpt.heads`), so the output projection
+    then reads the output this Function keeps for backward as a view instead of keeping a
+    copy of its own, as after PyTorch's SDPA."""
+    res = torch.empty_like(q)  # preserve_format: q's strides
+    return res.copy_(out.reshape(q.shape))
 
 
 def _scores(q, k, kind: str, scale: float) -> torch.Tensor:
@@ -207,7 +217,7 @@ class LocalAttention(torch.autograd.Function):
         spec.counter.hold("forward", k, v)
         forward_blocks(qg, k.float(), v.float(), blocks, c, scale, out, lse, spec.counter,
                        name=spec.name, **spec.trace)
-        out = out.reshape(q.shape).to(q.dtype)
+        out = output_like(q, out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.blocks, ctx.scale, ctx.tracer = spec, blocks, scale, current_tracer()
         return out

@@ -97,7 +97,7 @@ def kv_working_set_formula(method: str, cp: int, *, batch: int, kv_heads: int, s
 
 def activation_formula(method: str, cp: int, single_rank_bytes: int, *, n_layers: int,
                        batch: int, kv_heads: int, seq_len: int, head_dim: int,
-                       elem_bytes: int = 4) -> float:
+                       elem_bytes: int = 4, heads: int = 0) -> float:
     """Bytes one rank's forward saves for backward under ``cp``-way context parallelism,
     from the single-rank figure of the same model and attention algorithm:
 
@@ -106,7 +106,11 @@ def activation_formula(method: str, cp: int, single_rank_bytes: int, *, n_layers
       ``D/2`` each): gathered by position, they are new tensors, where one rank slices views
       of the table;
     * all-gather also keeps the gathered K/V instead of its own, ``(cp−1)·kv`` per layer
-      (``kv`` = ``2·B·K·(S/cp)·D·e``).
+      (``kv`` = ``2·B·K·(S/cp)·D·e``);
+    * Ulysses keeps the attention output twice per layer: head-sharded by its attention
+      (for backward) and, after the second all-to-all, sequence-sharded as the output
+      projection's input, ``B·(S/cp)·A·D·e`` (``A`` = ``heads``), where one rank's
+      projection reads the attention's own output as a view.
     """
     if cp == 1:
         return float(single_rank_bytes)
@@ -115,6 +119,8 @@ def activation_formula(method: str, cp: int, single_rank_bytes: int, *, n_layers
     if method == "allgather":
         extra = n_layers * (cp - 1) * _kv_local_bytes(batch, kv_heads, seq_len, cp, head_dim,
                                                       elem_bytes)
+    elif method == "ulysses":
+        extra = n_layers * batch * (seq_len // cp) * heads * head_dim * elem_bytes
     return single_rank_bytes / cp + rope + extra
 
 

@@ -67,7 +67,7 @@ def model_report(result, single_rank_bytes: int) -> dict:
     cp, m = case.cp or len(outs), case.model
     formula = activation_formula(case.method, cp, single_rank_bytes, n_layers=m.n_layers,
                                  batch=case.batch, kv_heads=m.kv_heads, seq_len=m.seq_len,
-                                 head_dim=m.head_dim)
+                                 head_dim=m.head_dim, heads=m.n_heads)
     saved = [o["saved_bytes"] for o in outs]
     return {"method": case.method, "cp": cp, "saved": saved, "formula": formula,
             "single_rank": single_rank_bytes,

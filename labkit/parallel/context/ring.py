@@ -34,7 +34,8 @@ import torch
 
 from ... import comm
 from ...trace import current_tracer, use_tracer
-from .blocks import WorkCounter, backward_blocks, forward_blocks, group_heads, plan_blocks
+from .blocks import (WorkCounter, backward_blocks, forward_blocks, group_heads, output_like,
+                     plan_blocks)
 
 __all__ = ["RingSpec", "RingAttention", "TAG_KV", "TAG_DKV"]
 
@@ -106,7 +107,7 @@ class RingAttention(torch.autograd.Function):
                            spec.counter, name="cp.ring", ring_step=s, kv_origin=src)
             _wait(handles)
             kv = nxt if nxt is not None else kv
-        out = out.reshape(q.shape).to(q.dtype)
+        out = output_like(q, out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.scale, ctx.tracer = spec, scale, current_tracer()
         return out

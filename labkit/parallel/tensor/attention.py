@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.gpt import apply_rope, attention_core
+from ...models.gpt import attention_core, heads
 from .functions import copy_to_tp, tp_size
 from .layers import ColumnParallelLinear, RowParallelLinear, column_matmuls
 
@@ -109,16 +109,15 @@ class ParallelAttention(nn.Module):
                            regather=self.regather, **self.tags, site="attn_in"),
             (self.wq, self.wk, self.wv))
         b, s = q.shape[0], q.shape[1]
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
-            if cos.shape[0] != s:
-                raise ValueError(f"rotary tables cover {cos.shape[0]} positions but attention "
-                                 f"sees {s} tokens; with sequence parallelism set the "
-                                 "module's positions to the full sequence (rope_slice)")
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None and rope[0].shape[0] != s:
+            raise ValueError(f"rotary tables cover {rope[0].shape[0]} positions but attention "
+                             f"sees {s} tokens; with sequence parallelism set the "
+                             "module's positions to the full sequence (rope_slice)")
+        # rotary before the transpose: SDPA's output is then (B, S, A, D) in memory and wo's
+        # input a view of it (labkit.models.gpt.heads)
+        q = heads(q, self.n_heads, self.head_dim, rope)
+        k = heads(k, self.n_kv_heads, self.head_dim, rope)
+        v = heads(v, self.n_kv_heads, self.head_dim)
         if self.core is not None:
             out = self.core(q, k, v)
         else:

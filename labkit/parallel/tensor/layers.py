@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...models.gpt import compute_dtype
+from ...models.norm import rms_norm
 from .functions import (copy_to_tp, gather_from_sp, gather_seq, reduce_from_tp,
                         reduce_scatter_to_sp, scatter_seq, tp_size)
 
@@ -49,13 +51,19 @@ class _RegatherColumnMatmuls(torch.autograd.Function):
     backward and all-gather it again there (Korthikanti et al. 2022, §4.2.2: store the
     sequence-parallel part of the input, an extra all-gather in backward), instead of the
     gathered ``(B, S, H)``. Forward: all-gather, ``Y_j = X W_jᵀ``. Backward: all-gather ``X``
-    again for ``dW_j = dY_jᵀ X``, and reduce-scatter ``dX = Σ_j dY_j W_j``."""
+    again for ``dW_j = dY_jᵀ X``, and reduce-scatter ``dX = Σ_j dY_j W_j``.
+
+    Under autocast the matmuls run in autocast's dtype ``c`` as they would outside this
+    Function: the shard is kept (and re-gathered) in ``c``, the weights are cast to ``c``,
+    ``dX_j`` and ``dW_j`` are computed in ``c`` and cast back to the input's and weights'
+    dtypes before they are summed, as autograd's cast nodes would (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` keeps the 16-bit shard alike)."""
 
     @staticmethod
     def forward(ctx, x_local, group, tags, *weights):
-        ctx.group, ctx.tags = group, tags
-        ctx.save_for_backward(x_local, *weights)
-        x = gather_seq(x_local, group, {**tags, "phase": "forward"})
+        ctx.group, ctx.tags, ctx.in_dtype = group, tags, x_local.dtype
+        x = compute_dtype(gather_seq(x_local, group, {**tags, "phase": "forward"}))
+        ctx.save_for_backward(compute_dtype(x_local), *weights)
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
@@ -64,8 +72,13 @@ class _RegatherColumnMatmuls(torch.autograd.Function):
         bwd = {**ctx.tags, "phase": "backward"}
         x = gather_seq(x_local, ctx.group, {**bwd, "regather": True})
         x2 = x.reshape(-1, x.shape[-1])
-        gx = sum(g @ w for g, w in zip(grads, weights))
-        gws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grads]
+        c = x.dtype
+        gx = None
+        for g, w in zip(grads, weights):
+            part = (g.to(c) @ w.to(c)).to(ctx.in_dtype)
+            gx = part if gx is None else gx + part
+        gws = [(g.to(c).reshape(-1, g.shape[-1]).t() @ x2).to(w.dtype)
+               for g, w in zip(grads, weights)]
         return (scatter_seq(gx, ctx.group, bwd), None, None, *gws)
 
 
@@ -75,13 +88,16 @@ def column_matmuls(x: torch.Tensor, weights: Sequence[torch.Tensor], group, *,
     """``X W_jᵀ`` for column-parallel weights ``W_j`` ``(O_j/T, I)`` sharing one input.
 
     ``x`` is ``(B, S, I)`` (replicated), or ``(B, S/T, I)`` with ``sequence_parallel``; it
-    crosses into the tp region once (``f``, or one all-gather). With ``regather`` (sequence
-    parallel only) backward keeps the ``S/T`` shard and all-gathers it again. Returns one
-    ``(B, S, O_j/T)`` tensor per weight.
+    crosses into the tp region once (``f``, or one all-gather) and, under autocast, is cast
+    once, so backward keeps one copy of it for all the weights
+    (:func:`labkit.models.gpt.compute_dtype`). With ``regather`` (sequence parallel only)
+    backward keeps the ``S/T`` shard and all-gathers it again. Returns one ``(B, S, O_j/T)``
+    tensor per weight.
     """
     if sequence_parallel and regather and tp_size(group) > 1:
         return _RegatherColumnMatmuls.apply(x, group, tags, *weights)
     x = gather_from_sp(x, group, **tags) if sequence_parallel else copy_to_tp(x, group, **tags)
+    x = compute_dtype(x)
     return tuple(F.linear(x, w) for w in weights)
 
 
@@ -183,7 +199,8 @@ class ParallelRMSNorm(nn.Module):
     its weight gradient covers only those: the weight passes through ``f`` (identity forward,
     all-reduce backward), so every rank ends backward with the full gradient summed over the
     tp group (Korthikanti et al. 2022, §4.2.2; Megatron-LM sums these "sequence-parallel
-    parameters" over the tp group). Holds the norm's own ``weight`` Parameter.
+    parameters" over the tp group). Holds the norm's own ``weight`` Parameter; keeps ``x``
+    and float32 ``1/rms`` for backward (:func:`labkit.models.norm.rms_norm`).
     """
 
     def __init__(self, norm: nn.Module, group, *, sequence_parallel: bool = False,
@@ -196,6 +213,4 @@ class ParallelRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_tp(self.weight, self.group, **self.tags) if self.sequence_parallel \
             else self.weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * w
+        return rms_norm(x, w, self.eps)
