@@ -162,7 +162,13 @@ NOT_ABOUT_VALUES_ON_SCREEN = {
     ("00", "With `dp=4` each rank takes a quarter"): "a promise notebook 02's parity cells check",
     ("00", "The last step ran under torch's `MemTracker`"): TIMING,
     ("01", "Whether the ratio rises or falls"): TIMING,
+    ("01", "the ones whose algorithm inside gloo takes more"): TIMING,
     ("02", "ZeRO (notebook 03) removes the replication"): "points to notebook 03, checked there",
+    ("02", "2018 (*An Empirical Model of Large-Batch Training*)"): "McCandlish et al.'s law, "
+                                                                   "quoted; the cell after "
+                                                                   "measures B_simple",
+    ("02", "For the mesh: `dp × micro-batch × accumulation steps`"): "advice for choosing the "
+                                                                   "mesh from B_simple",
     ("03", "The last step runs under torch's `MemTracker`"): "describes the tool",
     ("05", "The job below trains with a policy and counts FLOPs twice"): "describes the method",
     ("05", "Each step time is the median"): "describes the method",
@@ -184,6 +190,11 @@ NOT_ABOUT_VALUES_ON_SCREEN = {
     ("10", "The check no formula gives"): "describes the method",
     ("11", "Daly (2006) gave the expected wall time"): "cites the paper; the curve below "
                                                         "is computed from its formula",
+    ("12", "On a machine with two cores and four ranks"): TIMING,
+    ("12", "the launchers meet at node 0's address"): "describes the launcher; "
+                                                       "tests/test_cli.py runs it",
+    ("12", "`tests/test_cli.py::test_torchrun_two_emulated_nodes"): "names what that test "
+                                                                    "asserts",
 }
 
 
