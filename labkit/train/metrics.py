@@ -329,8 +329,9 @@ def _tp_predicted(setup) -> dict:
 
     if sp:  # per region: all-gather input (res) + reduce-scatter output (act) forward,
         # all-gather output gradient (act) + reduce-scatter input gradient (res) backward,
-        # and both column-parallel inputs (res) gathered again in backward (regather)
-        add("all_gather", layers * ((fwd * res / act + bwd * act / res) / 2 + 2 * u_res))
+        # and both column-parallel inputs gathered again in backward (regather): the shard
+        # is kept in the compute dtype, so those move act bytes
+        add("all_gather", layers * ((fwd * res / act + bwd * act / res) / 2 + 2 * u_act))
         add("reduce_scatter", layers * (fwd + bwd) / 2)
     else:
         add("all_reduce", layers * (fwd + bwd))
@@ -353,7 +354,8 @@ def _tp_predicted(setup) -> dict:
                 add("all_gather", u_res)
         if m.is_last:
             if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
-                add("all_gather", 2 * u_res)  # the head's input, gathered again in backward
+                # the head's input (res), gathered again in backward (compute dtype)
+                add("all_gather", u_res + u_act)
                 add("reduce_scatter", u_res)
                 add("all_reduce", ar(h * wgt))
             else:
