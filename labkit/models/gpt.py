@@ -74,7 +74,9 @@ def compute_dtype(x: torch.Tensor) -> torch.Tensor:
     copies of one input. Casting once before them leaves one (Megatron-LM's fused QKV keeps
     one input too; Korthikanti et al. 2022 §4.1 count it once). The values are the same."""
     dev = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(dev):
+    # a device autocast does not know (meta) has no autocast to follow
+    if x.is_floating_point() and torch.amp.is_autocast_available(dev) \
+            and torch.is_autocast_enabled(dev):
         return x.to(torch.get_autocast_dtype(dev))
     return x
 
