@@ -107,13 +107,14 @@ def test_405b_rank_shard_and_model_state_agree_with_the_planner(cells):
     gib = 2 ** 30
     for c, b in (("parameters", 2 * n), ("gradients", 2 * n), ("optimizer", 12 * n / 128)):
         assert f"measured {b / gib:6.3f} GiB   planned {b / gib:6.3f} GiB" in rows[c], rows[c]
-    # with labkit's terms a few per cent below (the receive buffers posted ahead are not
-    # modelled); Megatron-LM's accounting far below (the prose names why)
+    # the block keeps what Korthikanti et al. count, so the rank now peaks inside a layer's
+    # forward (its working set of temporaries), which neither count models: both below, by
+    # 11.5 % (labkit's terms) and 12.2 % (Megatron-LM's), as the prose says
     err = float(rows["activations"].rsplit("=", 1)[1])
-    assert -0.05 <= err < 0, rows["activations"]
-    assert float(rows["activations (Megatron)"].rsplit("=", 1)[1]) < -0.3
+    assert -0.13 <= err < 0, rows["activations"]
+    assert round(-100 * float(rows["activations (Megatron)"].rsplit("=", 1)[1])) == 12
     roles = {line.split(" measured")[0].strip(): line for line in lines if line.startswith("  ")}
-    for r in ("kept layers", "stage outputs", "rebuilt layer", "rotary tables"):
+    for r in ("kept layers", "rotary tables"):
         measured, planned = re.findall(r"(\d+\.\d+) GiB", roles[r])
         assert measured == planned, roles[r]
     kept = 8 * 2 * (2 * 1024 * 16384)  # 8 layers x 2 microbatches x (S/t, H) in bf16
