@@ -31,10 +31,21 @@ def test_blocking_call_costs_its_prediction_overlapped_only_what_compute_does_no
     assert _replay(ev, cost) == pytest.approx(1.9 + 0.5)           # 0.7 s hidden
     price["all_reduce"] = 3.0
     assert _replay(ev, cost) == pytest.approx(3.0 + 0.5)           # 1.1 s exposed
-    # two overlapped calls share one stream: the second starts when the first ends
+    # two overlapped calls of one group share its stream: the second starts when the
+    # first ends; a call of another group runs beside them
     ev = [_ar(0, 2.5), _ar(0.05, 2.6), _c(0.1, 2.0)]
     price["all_reduce"] = 1.5
     assert _replay(ev, cost) == pytest.approx(3.0)
+    other = _ar(0.05, 2.6)
+    other.peers = (0, 2)
+    assert _replay([ev[0], other, ev[2]], cost) == pytest.approx(1.9)
+    # DDP: a bucket issued in backward, collected by grad_sync after the backward ends:
+    # grad_sync's span is the wait, not compute (0..2 s backward, 0.1 s after)
+    ev = [_c(0, 2, "backward"), _ar(1.5, 5), _c(1.8, 5.1, "grad_sync")]
+    price["all_reduce"] = 0.3
+    assert _replay(ev, cost) == pytest.approx(2.1)
+    price["all_reduce"] = 3.0
+    assert _replay(ev, cost) == pytest.approx(1.5 + 3.0 + 0.1)
     # a wait span inside a compute span is not compute
     ev = [_c(0, 2), Event(0, "wait all_gather", "wait", 0.5, 1.0, step=1)]
     assert _replay(ev, cost) == pytest.approx(1.5)

@@ -9,14 +9,18 @@ prefetched all-gathers), far too fast for a pipeline, whose ranks wait for each 
 planner's communication:
 
 * **Compute** is the time the trace shows the rank computing and not blocked: compute
-  spans, less the blocking communication and the ``"wait"`` spans inside them.
+  spans, less the blocking communication, the ``"wait"`` spans inside them, and the tail
+  of each overlapped call after the last compute that ends inside it (the rank collecting
+  the result, e.g. DDP's ``grad_sync`` waiting for its buckets).
 * **Blocking calls** (no compute starts while they run: the rank waited) cost their
   predicted seconds on the critical path.
 * **Overlapped calls** (compute starts inside their span: issued asynchronously, gloo's
   worker thread moves the bytes meanwhile — DDP's buckets, FSDP's prefetch) run one after
-  another on one communication stream from the moment they are issued; the rank waits only
-  where the trace shows it collecting the result (the span's end, ``handle.wait()``) and
-  only for what the prediction has not finished by then.
+  another on their group's stream (a process group's calls are ordered; different groups,
+  e.g. TP's and DP's, proceed side by side) from the moment they are issued; the rank
+  waits only where the trace shows it collecting the result (the span's end,
+  ``handle.wait()``) and only for what the prediction has not finished by then. A
+  blocking call also waits for its group's earlier calls.
 * **Pipeline** (``pp > 1``): the forward and backward actions and the point-to-point
   transfers between stages are the schedule's (:func:`labkit.parallel.pipeline.simulate`):
   the measured mean ``F`` and ``B`` of each stage, the predicted transfer of one activation
@@ -73,6 +77,12 @@ def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
     waits = [(e.start, e.end) for e in evs if e.cat == "wait"]
     kind = classify(comm, compute)
     blocked = [(e.start, e.end) for e in comm if kind[id(e)] == BLOCKING] + waits
+    # an overlapped call's span after the last compute that ends inside it is the rank
+    # collecting it (DDP's grad_sync, a wait inside an enclosing span): not compute
+    for e in comm:
+        if kind[id(e)] == OVERLAPPED:
+            ends = [c.end for c in compute if e.start < c.end < e.end]
+            blocked.append((max(ends, default=e.start), e.end))
     cspans = [(e.start, e.end) for e in compute]
     if not evs:
         return 0.0
@@ -86,18 +96,17 @@ def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
         else:
             marks += [(e.start, 1, "issue", e), (e.end, 2, "collect", e)]
     marks.sort(key=lambda m: (m[0], m[1]))
-    clock, cursor, stream, done = 0.0, t0, 0.0, {}
+    clock, cursor, stream, done = 0.0, t0, {}, {}
     for t, _, what, e in marks:
         if t > cursor:
             clock += _covered(cspans, cursor, t, blocked)
             cursor = t
+        g = (e.cat, tuple(sorted({e.rank, *e.peers})))  # the call's group: its stream
         if what == "block":
-            start = max(clock, stream)
-            clock = stream = start + price(e)
+            clock = stream[g] = max(clock, stream.get(g, 0.0)) + price(e)
             cursor = max(cursor, e.end)
         elif what == "issue":
-            start = max(clock, stream)
-            done[id(e)] = stream = start + price(e)
+            done[id(e)] = stream[g] = max(clock, stream.get(g, 0.0)) + price(e)
         else:
             clock = max(clock, done[id(e)])
     end = max(e.end for e in evs)
