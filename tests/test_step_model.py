@@ -86,3 +86,20 @@ def test_pipeline_bubble_and_p2p_on_the_critical_path():
     flat = predict_step(_Trace([e for e in ev if e.cat == "compute"]), [0, 1], [1], spec,
                         phys)
     assert flat["step_s"] == pytest.approx(6.0)
+
+
+def test_a_collective_starts_when_its_last_member_arrives():
+    """Rank 0 computes 1 s, rank 1 3 s, then both all-reduce (0.5 s predicted) and compute
+    0.2 s: together both end at 3 + 0.5 + 0.2; rank 0 alone would end at 1.7."""
+    from labkit.measure.step_model import _replay_ranks
+
+    def rank(r, busy):
+        return [Event(r, "f", "compute", 0, busy, step=1),
+                Event(r, "all_reduce", "comm", busy, busy + 2, step=1, op="all_reduce",
+                      bytes_sent=1e6, peers=(0, 1)),
+                Event(r, "g", "compute", busy + 2, busy + 2.2, step=1)]
+
+    cost = lambda e: 0.5  # noqa: E731
+    got = _replay_ranks({0: rank(0, 1.0), 1: rank(1, 3.0)}, cost)
+    assert got == pytest.approx({0: 3.7, 1: 3.7})
+    assert _replay(rank(0, 1.0), cost) == pytest.approx(1.7)

@@ -28,8 +28,9 @@ planner's communication:
   path — so the warm-up and cool-down bubble comes from the schedule itself. The rest of
   the step (embedding, data-parallel reduction, optimizer) is replayed as above.
 
-The slowest rank's replay is the prediction. Cross-rank waits inside collectives (a rank
-early to an all-reduce waits for the late one) are not modelled outside the pipeline.
+All ranks are replayed together: a call starts when every member of its group has reached
+it, so a rank early to an all-reduce waits for the late one. The slowest rank's replay is
+the prediction.
 """
 from __future__ import annotations
 
@@ -66,12 +67,13 @@ def classify(comm_events, compute_events) -> dict:
     return out
 
 
-def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
-    """Predicted seconds of one rank's step from its ``events`` (one step, sorted or not).
-
-    ``price(event)`` is the planner's seconds for a communication event; events for which
-    ``skip(event)`` is true count neither as compute nor as communication."""
+def _plan(events, skip: Callable):
+    """One rank's step as marks in measured time (a blocking call; an overlapped call's
+    issue and collection), its compute spans, the spans that are not compute, and the
+    step's first and last instants."""
     evs = [e for e in events if not skip(e)]
+    if not evs:
+        return [], [], [], 0.0, 0.0
     compute = [e for e in evs if e.cat == "compute"]
     comm = [e for e in evs if e.cat in ("comm", "p2p") and e.op]
     waits = [(e.start, e.end) for e in evs if e.cat == "wait"]
@@ -83,12 +85,6 @@ def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
         if kind[id(e)] == OVERLAPPED:
             ends = [c.end for c in compute if e.start < c.end < e.end]
             blocked.append((max(ends, default=e.start), e.end))
-    cspans = [(e.start, e.end) for e in compute]
-    if not evs:
-        return 0.0
-    t0 = min(e.start for e in evs)
-    # boundaries in measured time: a blocking call or a wait (start .. end), an overlapped
-    # call's issue (start) and collection (end)
     marks = []
     for e in comm:
         if kind[id(e)] == BLOCKING:
@@ -96,21 +92,86 @@ def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
         else:
             marks += [(e.start, 1, "issue", e), (e.end, 2, "collect", e)]
     marks.sort(key=lambda m: (m[0], m[1]))
-    clock, cursor, stream, done = 0.0, t0, {}, {}
-    for t, _, what, e in marks:
-        if t > cursor:
-            clock += _covered(cspans, cursor, t, blocked)
-            cursor = t
-        g = (e.cat, tuple(sorted({e.rank, *e.peers})))  # the call's group: its stream
-        if what == "block":
-            clock = stream[g] = max(clock, stream.get(g, 0.0)) + price(e)
-            cursor = max(cursor, e.end)
-        elif what == "issue":
-            done[id(e)] = stream[g] = max(clock, stream.get(g, 0.0)) + price(e)
-        else:
-            clock = max(clock, done[id(e)])
-    end = max(e.end for e in evs)
-    return clock + _covered(cspans, cursor, end, blocked)
+    return (marks, [(e.start, e.end) for e in compute], blocked,
+            min(e.start for e in evs), max(e.end for e in evs))
+
+
+def _replay_ranks(by_rank: dict, price: Callable, skip: Callable = lambda e: False) -> dict:
+    """Predicted seconds of one step on every rank of ``by_rank`` (``{rank: events}``).
+
+    Each rank advances by its own compute; a call starts when every member of its group
+    among ``by_rank`` has reached it (the ``k``-th call of a group on one rank meets the
+    ``k``-th on the others: labkit issues a group's calls in one order) and its group's
+    earlier calls are done; a blocking call holds the rank until it ends, an overlapped one
+    until the rank collects it. Ranks whose calls never meet fall back to replaying alone.
+    """
+    st = {}
+    for r, evs in by_rank.items():
+        marks, cspans, blocked, t0, end = _plan(evs, skip)
+        st[r] = {"marks": marks, "c": cspans, "b": blocked, "cursor": t0, "end": end,
+                 "i": 0, "clock": 0.0, "stream": {}, "calls": {}, "seen": {},
+                 "done": {}}
+    present = set(by_rank)
+    arrivals: dict = {}          # (group, k) -> {rank: time it is ready to start}
+    resolved: dict = {}          # (group, k) -> the call's end
+
+    def key_of(e):
+        g = (e.cat, tuple(sorted({e.rank, *e.peers})))
+        return g, tuple(m for m in g[1] if m in present)
+
+    progress = True
+    while progress:
+        progress = False
+        for r, x in st.items():
+            while x["i"] < len(x["marks"]):
+                t, _, what, e = x["marks"][x["i"]]
+                if t > x["cursor"]:
+                    x["clock"] += _covered(x["c"], x["cursor"], t, x["b"])
+                    x["cursor"] = t
+                g, members = key_of(e)
+                if what in ("block", "issue"):
+                    if id(e) not in x["seen"]:  # the k-th call of group g on this rank
+                        k = x["calls"].get(g, 0)
+                        x["calls"][g] = k + 1
+                        x["seen"][id(e)] = (g, k)
+                        arrivals.setdefault((g, k), {})[r] = max(x["clock"],
+                                                                 x["stream"].get(g, 0.0))
+                    gk = x["seen"][id(e)]
+                    got = arrivals[gk]
+                    if gk not in resolved and all(m in got for m in members):
+                        resolved[gk] = max(got[m] for m in members) + price(e)
+                    if gk not in resolved:
+                        if what == "block":
+                            break          # wait for the group's other members
+                        x["done"][id(e)] = gk
+                        x["i"] += 1
+                        progress = True
+                        continue
+                    x["stream"][g] = resolved[gk]
+                    if what == "block":
+                        x["clock"] = resolved[gk]
+                        x["cursor"] = max(x["cursor"], e.end)
+                    else:
+                        x["done"][id(e)] = gk
+                else:  # collect
+                    gk = x["done"][id(e)]
+                    if gk not in resolved:
+                        break
+                    x["stream"][gk[0]] = max(x["stream"].get(gk[0], 0.0), resolved[gk])
+                    x["clock"] = max(x["clock"], resolved[gk])
+                x["i"] += 1
+                progress = True
+    if any(x["i"] < len(x["marks"]) for x in st.values()) and len(by_rank) > 1:
+        return {r: _replay_ranks({r: evs}, price, skip)[r] for r, evs in by_rank.items()}
+    return {r: x["clock"] + _covered(x["c"], x["cursor"], x["end"], x["b"])
+            for r, x in st.items()}
+
+
+def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
+    """Predicted seconds of one rank's step from its ``events`` alone (its groups' other
+    members taken as ready): :func:`_replay_ranks` of one rank."""
+    rank = next(iter(events)).rank if events else 0
+    return _replay_ranks({rank: list(events)}, price, skip)[rank]
 
 
 def predict_step(trace, ranks: Sequence[int], steps: Sequence[int], spec, phys: dict,
@@ -156,11 +217,13 @@ def predict_step(trace, ranks: Sequence[int], steps: Sequence[int], spec, phys: 
 
         def in_pipe(e) -> bool:
             return is_action(e) or (e.cat == "p2p" and e.axis == "pp")
+    sums = {r: 0.0 for r in ranks}
+    for s in steps:
+        got = _replay_ranks({r: trace.filter(rank=r, step=s) for r in ranks}, price,
+                            in_pipe or (lambda e: False))
+        for r in ranks:
+            sums[r] += got[r]
     for r in ranks:
-        per = []
-        for s in steps:
-            evs = trace.filter(rank=r, step=s)
-            per.append(_replay(evs, price, in_pipe or (lambda e: False)))
-        per_rank[r] = pipe_s + sum(per) / len(per)
+        per_rank[r] = pipe_s + sums[r] / len(steps)
     return {"step_s": max(per_rank.values()), "per_rank": per_rank, "pipeline_s": pipe_s,
             "bubble": bubble}
