@@ -67,7 +67,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COMPARED"]
+__all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COMPARED",
+           "fake_process_group", "check_fake_rank"]
 
 #: the categories measured and planned alike (bytes)
 CATEGORIES_COMPARED = ("parameters", "gradients", "optimizer", "activations")
@@ -184,6 +185,52 @@ def _context(rank: int, world: int, stage_layers_only: bool = True):
     return ctx
 
 
+def check_fake_rank(cfg, rank) -> int:
+    """The world size of ``cfg``, once ``rank`` is one of its ranks and this process can
+    hold a fake process group.
+
+    Raises:
+        ValueError: ``rank`` outside ``0 .. world_size - 1``.
+        RuntimeError: ``torch.distributed`` is already initialised in this process.
+    """
+    world = cfg.parallel.world_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be in 0..{world - 1} (world_size {world}), got {rank!r}")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process; the "
+                           "fake process group needs a process of its own")
+    return world
+
+
+@contextlib.contextmanager
+def fake_process_group(cfg, rank: int, stage_layers_only: bool = True):
+    """Rank ``rank`` of ``cfg``'s world in this process: torch's ``"fake"`` backend with
+    ``FakeStore`` initialised for the layout's world size, and the rank's
+    :class:`~labkit.worker.RankContext` (groups made on demand, :func:`_context`) yielded;
+    the group is destroyed on exit. Enter fake tensors (:func:`_fake_mode`) inside it: the
+    text corpus is read here first, for real (it is cached per process).
+
+    Raises what :func:`check_fake_rank` raises.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = check_fake_rank(cfg, rank)
+    if cfg.dataset == "text":
+        from labkit.models.data import text_corpus
+
+        text_corpus("train")  # cached per process: read it for real, not as a fake tensor
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ctx = _context(rank, world, stage_layers_only)
+        with warnings.catch_warnings():
+            # the data-parallel wrappers' and the pipeline's activation meter key storages
+            # by data_ptr, which fake tensors do not have (their counts are not used here)
+            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+            yield ctx
+    finally:
+        dist.destroy_process_group()
+
+
 def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
                      stage_layers_only: bool = True) -> dict:
     """Memory of rank ``rank`` of ``cfg`` (a :class:`labkit.config.RunConfig`) for one
@@ -212,16 +259,10 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
     """
     from labkit import train
     from labkit.train.pipeline import boundary_shape
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .activation_roles import RoleLedger, itemised_tracker, stage_output_blocks
 
-    world = cfg.parallel.world_size
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be in 0..{world - 1} (world_size {world}), got {rank!r}")
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process; the "
-                           "fake process group needs a process of its own")
+    world = check_fake_rank(cfg, rank)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     cfg = replace(cfg, steps=steps, measure_memory=True, count_flops=False)
@@ -229,21 +270,9 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
     mc = cfg.model_config
     ledger = RoleLedger(boundary_shape(cfg), mc.head_dim // 2)
     t0 = time.perf_counter()
-    if cfg.dataset == "text":
-        from labkit.models.data import text_corpus
-
-        text_corpus("train")  # cached per process: read it for real, not as a fake tensor
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        ctx = _context(rank, world, stage_layers_only)
-        with warnings.catch_warnings(), _p2p_holds_tensors(ledger), itemised_tracker(ledger), \
-                _fake_mode():
-            # the pipeline's activation meter keys storages by data_ptr, which fake tensors
-            # do not have (its count is not used here; the tracker's is)
-            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
-            out = train.run(ctx, cfg)
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(cfg, rank, stage_layers_only) as ctx, \
+            _p2p_holds_tensors(ledger), itemised_tracker(ledger), _fake_mode():
+        out = train.run(ctx, cfg)
     m = out["metrics"]
     last = stage_output_blocks(mc.n_layers, cfg.n_stages, m["stages"]) \
         if mc.kind == "gpt" else set()
