@@ -10,7 +10,7 @@ batch under the job's autocast, and counts the tensors each block saves for back
 keeps beyond it (:func:`~labkit.parallel.tensor.activations.labkit_adjustments`).
 
 :func:`fake_layer_activations` runs the same measurement for one rank of a cluster-scale
-layout under fake tensors and a fake process group (:mod:`labkit.measure.fake_rank`), so
+layout under fake tensors and a fake process group (:mod:`labkit.measure.fake_world`), so
 Llama 3 405B's layer on its rank is measured on this CPU with no memory.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def fake_layer_activations(cfg, rank: int = 0) -> dict:
         ValueError: ``rank`` outside the world; what :func:`job_layer_activations` refuses.
         RuntimeError: ``torch.distributed`` is already initialised in this process.
     """
-    from .fake_rank import _fake_mode, fake_process_group
+    from .fake_world import _fake_mode, fake_process_group
 
     with fake_process_group(cfg, rank) as ctx, _fake_mode():
         return job_layer_activations(ctx, cfg)
