@@ -34,7 +34,7 @@ from labkit.measure.fake_rank import compare, fake_rank_memory, planned_rank_mem
 GiB = 2 ** 30
 #: the planner's term for each measured role (None: labkit keeps it, the planner does not)
 PLANNED_TERM = {"kept layers": "kept layers", "stage outputs": "stage outputs",
-                "layer working set": None, "rebuilt layer": "rebuilt layer",
+                "layer working set": "layer working set", "rebuilt layer": "rebuilt layer",
                 "rotary tables": "rotary tables", "receive buffers": None,
                 "tracker-held inputs": None, "other": "output layer"}
 WHY = {
@@ -42,8 +42,8 @@ WHY = {
     "stage outputs": "labkit keeps them until the flush ends; Megatron frees them at send",
     "rebuilt layer": "one layer rebuilt: C18's count plus the norms' 1/rms (labkit.plan."
                      "implementation)",
-    "layer working set": "full: a running layer's forward temporaries; none: what the "
-                         "layers keep",
+    "layer working set": "full: a running layer's forward temporaries (labkit.plan."
+                         "working_set); none: what the layers keep",
     "receive buffers": "the executor posts receives ahead of need (not modelled)",
     "tracker-held inputs": "torch's tracker keeps received inputs until the step ends",
     "rotary tables": "rope_slice indexes cos/sin per forward (SP)",
@@ -83,8 +83,13 @@ def report(cfg: RunConfig, rank: int) -> dict:
         print(f"  {'layers, all parts':<20}{layers / GiB:9.3f}{terms['kept layers'] / GiB:9.3f}"
               f"   kept layers + working set: what C18 counts per layer, x layers x in flight")
     print(f"activations at their peak {got['activations']['peak'] / GiB:.3f} GiB; the planner: "
-          f"{plan['activations'] / GiB:.3f} GiB with labkit's terms, "
-          f"{plan['activations_megatron'] / GiB:.3f} GiB as Megatron-LM keeps them")
+          f"{plan['activations'] / GiB:.3f} GiB with labkit's terms "
+          f"({plan['activations'] / got['activations']['peak'] - 1:+.1%}), "
+          f"{plan['activations_megatron'] / GiB:.3f} GiB as Megatron-LM keeps them "
+          f"({plan['activations_megatron'] / got['activations']['peak'] - 1:+.1%})")
+    print(f"RESULT fake_rank_405b rank={rank} checkpoint={cfg.checkpoint} "
+          f"activation_peak={got['activations']['peak']} planned={plan['activations']:.0f} "
+          f"megatron={plan['activations_megatron']:.0f}")
     mem = got["memory"]
     print(f"tracked peak total {mem['peak_total'] / GiB:.2f} GiB (activations then "
           f"{mem['peak']['activations'] / GiB:.3f}, 'other' {mem['peak']['other'] / GiB:.2f}); "
