@@ -32,7 +32,8 @@ from ... import comm
 
 __all__ = ["IdentityFwdAllReduceBwd", "AllReduceFwdIdentityBwd", "AllGatherFwdReduceScatterBwd",
            "ReduceScatterFwdAllGatherBwd", "tp_size", "tp_rank", "gather_seq", "scatter_seq",
-           "start_gather_seq", "start_scatter_seq", "copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_sp"]
+           "start_gather_seq", "start_scatter_seq", "copy_to_tp", "reduce_from_tp",
+           "gather_from_sp", "reduce_scatter_to_sp"]
 
 AXIS = "tp"
 
