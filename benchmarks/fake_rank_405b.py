@@ -18,9 +18,13 @@ term for each, the activation peak beside the planner's, and wall/CPU seconds.
 
 Measured (rank 1024, shared machine): without recomputation 72.68 GiB at the activations'
 peak, the planner 72.34 GiB with labkit's terms and 71.78 GiB as Megatron-LM keeps them
-(before labkit's layers kept what C18 counts: 151.53 GiB); with full recomputation 5.02
-GiB against 4.84 and 4.35 (the peak now falls in a layer's forward, whose temporaries, 0.65
-GiB, exceed the rebuilt layer's 0.54; before: 5.72 GiB).
+(before labkit's layers kept what C18 counts: 151.53 GiB); with full recomputation 5.021
+GiB against 4.926 (-1.9 %) and 4.348 (-13.4 %): the peak falls in the last microbatch's
+forward, in a layer's working set of temporaries (0.648 GiB, more than the rebuilt layer's
+0.536), which the planner now replays (labkit.plan.working_set) and finds to the byte; what
+it leaves out is 3 receive buffers, the tracker's held input and the batch (0.095 GiB).
+Before the planner held the working set: 4.84 GiB (-3.5 %); before labkit's layers kept
+what C18 counts: 5.72 GiB measured.
 """
 from __future__ import annotations
 

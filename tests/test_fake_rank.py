@@ -16,11 +16,12 @@
   planner's count to the byte (8 layers x 15 microbatches in flight), as do the rotary
   tables; the stage outputs the executor holds until the flush ends (Megatron-LM frees
   them once sent) are those of the 15 microbatches whose forward is done: the peak falls in
-  the 16th microbatch's forward, whose running layer's temporaries now exceed what a
-  rebuilt layer keeps (C18's count plus the norms' 1/rms); not modelled, 3 receive buffers
-  and the first microbatch's received input, which torch's tracker keeps after its backward
-  (32 MiB). The prediction is within 5% of the measurement (3.5% below), Megatron-LM's
-  accounting 13% below.
+  the 16th microbatch's forward, whose running layer's temporaries exceed what a rebuilt
+  layer keeps (C18's count plus the norms' 1/rms): the planner replays that working set
+  (labkit.plan.working_set) and finds it to the byte. Not modelled: 3 receive buffers, the
+  first microbatch's received input, which torch's tracker keeps after its backward (32
+  MiB), and the batch; the prediction is exactly that much below the measurement (1.9 %),
+  Megatron-LM's accounting 13 % below.
 * Without recomputation the same rank's layers keep what C18 counts: the activations'
   peak is within 1% of the planner's count with labkit's named terms and within 2% of
   Megatron-LM's own (before labkit's layers kept C18's count, twice that).
