@@ -29,6 +29,8 @@ of ``--compare /work/main``: 0.50 and 0.64 (8 runs a side, load 8-25), 1.29 (4 r
 load 2-9); this checkout against itself without the job's re-gathers: 0.72. The machine's
 noise (other jobs) is larger than the effect; the re-gathers add 5 all-gathers per step
 (2 per block and the head's), which a latency-bound tiny model on gloo may feel.
+benchmarks/sp_step_time.py is the fairer comparison (warm clusters of both checkouts taking
+turns A B B A, one thread per rank, wall and CPU time, the load beside them).
 """
 from __future__ import annotations
 

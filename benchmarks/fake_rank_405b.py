@@ -18,9 +18,13 @@ term for each, the activation peak beside the planner's, and wall/CPU seconds.
 
 Measured (rank 1024, shared machine): without recomputation 72.68 GiB at the activations'
 peak, the planner 72.34 GiB with labkit's terms and 71.78 GiB as Megatron-LM keeps them
-(before labkit's layers kept what C18 counts: 151.53 GiB); with full recomputation 5.02
-GiB against 4.84 and 4.35 (the peak now falls in a layer's forward, whose temporaries, 0.65
-GiB, exceed the rebuilt layer's 0.54; before: 5.72 GiB).
+(before labkit's layers kept what C18 counts: 151.53 GiB); with full recomputation 5.021
+GiB against 4.926 (-1.9 %) and 4.348 (-13.4 %): the peak falls in the last microbatch's
+forward, in a layer's working set of temporaries (0.648 GiB, more than the rebuilt layer's
+0.536), which the planner now replays (labkit.plan.working_set) and finds to the byte; what
+it leaves out is 3 receive buffers, the tracker's held input and the batch (0.095 GiB).
+Before the planner held the working set: 4.84 GiB (-3.5 %); before labkit's layers kept
+what C18 counts: 5.72 GiB measured.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from labkit.measure.fake_rank import compare, fake_rank_memory, planned_rank_mem
 GiB = 2 ** 30
 #: the planner's term for each measured role (None: labkit keeps it, the planner does not)
 PLANNED_TERM = {"kept layers": "kept layers", "stage outputs": "stage outputs",
-                "layer working set": None, "rebuilt layer": "rebuilt layer",
+                "layer working set": "layer working set", "rebuilt layer": "rebuilt layer",
                 "rotary tables": "rotary tables", "receive buffers": None,
                 "tracker-held inputs": None, "other": "output layer"}
 WHY = {
@@ -42,8 +46,8 @@ WHY = {
     "stage outputs": "labkit keeps them until the flush ends; Megatron frees them at send",
     "rebuilt layer": "one layer rebuilt: C18's count plus the norms' 1/rms (labkit.plan."
                      "implementation)",
-    "layer working set": "full: a running layer's forward temporaries; none: what the "
-                         "layers keep",
+    "layer working set": "full: a running layer's forward temporaries (labkit.plan."
+                         "working_set); none: what the layers keep",
     "receive buffers": "the executor posts receives ahead of need (not modelled)",
     "tracker-held inputs": "torch's tracker keeps received inputs until the step ends",
     "rotary tables": "rope_slice indexes cos/sin per forward (SP)",
@@ -83,8 +87,13 @@ def report(cfg: RunConfig, rank: int) -> dict:
         print(f"  {'layers, all parts':<20}{layers / GiB:9.3f}{terms['kept layers'] / GiB:9.3f}"
               f"   kept layers + working set: what C18 counts per layer, x layers x in flight")
     print(f"activations at their peak {got['activations']['peak'] / GiB:.3f} GiB; the planner: "
-          f"{plan['activations'] / GiB:.3f} GiB with labkit's terms, "
-          f"{plan['activations_megatron'] / GiB:.3f} GiB as Megatron-LM keeps them")
+          f"{plan['activations'] / GiB:.3f} GiB with labkit's terms "
+          f"({plan['activations'] / got['activations']['peak'] - 1:+.1%}), "
+          f"{plan['activations_megatron'] / GiB:.3f} GiB as Megatron-LM keeps them "
+          f"({plan['activations_megatron'] / got['activations']['peak'] - 1:+.1%})")
+    print(f"RESULT fake_rank_405b rank={rank} checkpoint={cfg.checkpoint} "
+          f"activation_peak={got['activations']['peak']} planned={plan['activations']:.0f} "
+          f"megatron={plan['activations_megatron']:.0f}")
     mem = got["memory"]
     print(f"tracked peak total {mem['peak_total'] / GiB:.2f} GiB (activations then "
           f"{mem['peak']['activations'] / GiB:.3f}, 'other' {mem['peak']['other'] / GiB:.2f}); "

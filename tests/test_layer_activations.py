@@ -174,3 +174,43 @@ def test_regathered_matmuls_under_autocast_match_autocasts_own():
     for u, v in zip(a, b):
         assert u.dtype == v.dtype
         torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+
+
+def test_regather_collectives_overlap_the_backward_matmuls(monkeypatch):
+    """Megatron-LM's overlap, as an order of events (not a timing): in backward the
+    re-gather of the kept shard is issued before dX = Σ dY·W is computed and waited for only
+    after it; the reduce-scatter of dX is issued before the dW = dYᵀ·X are computed and
+    waited for after them (Korthikanti et al. 2022 §4.2.2)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from labkit.parallel.tensor import layers
+
+    log = []
+
+    def recorded(name):
+        def start(x, group, tags=None):
+            log.append(f"issue {name}")
+
+            def done():
+                log.append(f"wait {name}")
+                return x
+            return done
+        return start
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                # dX: (tokens, O) @ (O, I); dW: (O, tokens) @ (tokens, I), 12 tokens
+                log.append("dW" if args[0].shape[-1] == 12 else "dX")
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(layers, "start_gather_seq", recorded("gather"))
+    monkeypatch.setattr(layers, "start_scatter_seq", recorded("scatter"))
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    ws = [torch.randn(8, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)]
+    ys = layers._RegatherColumnMatmuls.apply(x, None, {}, *ws)
+    with Matmuls():
+        torch.autograd.grad(ys, [x, *ws], [torch.ones_like(y) for y in ys])
+    assert log == ["issue gather", "dX", "dX", "wait gather", "issue scatter", "dW", "dW",
+                   "wait scatter"], log

@@ -24,7 +24,7 @@ degree-1 group (``group=None``) communicates nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,7 +32,8 @@ from ... import comm
 
 __all__ = ["IdentityFwdAllReduceBwd", "AllReduceFwdIdentityBwd", "AllGatherFwdReduceScatterBwd",
            "ReduceScatterFwdAllGatherBwd", "tp_size", "tp_rank", "gather_seq", "scatter_seq",
-           "copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_sp"]
+           "start_gather_seq", "start_scatter_seq", "copy_to_tp", "reduce_from_tp",
+           "gather_from_sp", "reduce_scatter_to_sp"]
 
 AXIS = "tp"
 
@@ -71,15 +72,29 @@ def gather_seq(x: torch.Tensor, group, tags: Optional[dict] = None) -> torch.Ten
     ``comm.all_gather`` concatenates along dim 0, so the pieces land as ``(T, B, s, …)`` and
     one copy puts the sequence back in dim 1. Bytes: (T−1)/T · |output|.
     """
+    return start_gather_seq(x, group, tags)()
+
+
+def start_gather_seq(x: torch.Tensor, group, tags: Optional[dict] = None
+                     ) -> Callable[[], torch.Tensor]:
+    """Issue :func:`gather_seq` asynchronously; returns ``done()``, which waits for it and
+    returns the gathered ``(B, T·s, …)``. In between the collective runs on the backend's
+    own thread (gloo) or stream (NCCL), so the caller's compute overlaps it."""
     n = tp_size(group)
     if n == 1:
-        return x
+        return lambda: x
     x = x.contiguous()
     b, s, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     # gloo wants dim 0 of the output to be N x dim 0 of the input
     buf = torch.empty((n * b, s) + rest, dtype=x.dtype, device=x.device)
-    comm.all_gather(buf, x, group=group, axis=AXIS, **(tags or {}))
-    return buf.view(n, b, s, *rest).transpose(0, 1).reshape(b, n * s, *rest)
+    handle = comm.all_gather(buf, x, group=group, axis=AXIS, async_op=True, **(tags or {}))
+    held = [buf]
+
+    def done() -> torch.Tensor:
+        handle.wait()  # views of the buffer only after the wait (labkit.comm.Handle)
+        out = held.pop().view(n, b, s, *rest).transpose(0, 1).reshape(b, n * s, *rest)
+        return out  # the buffer is freed here, as by the synchronous call, not with done
+    return done
 
 
 def scatter_seq(x: torch.Tensor, group, tags: Optional[dict] = None) -> torch.Tensor:
@@ -89,9 +104,16 @@ def scatter_seq(x: torch.Tensor, group, tags: Optional[dict] = None) -> torch.Te
     Raises:
         ValueError: ``S`` not divisible by the group size.
     """
+    return start_scatter_seq(x, group, tags)()
+
+
+def start_scatter_seq(x: torch.Tensor, group, tags: Optional[dict] = None
+                      ) -> Callable[[], torch.Tensor]:
+    """Issue :func:`scatter_seq` asynchronously; returns ``done()``, which waits for it and
+    returns this rank's ``(B, S/T, …)`` (same errors, raised at issue)."""
     n = tp_size(group)
     if n == 1:
-        return x
+        return lambda: x
     b, s = x.shape[0], x.shape[1]
     if s % n:
         raise ValueError(f"sequence parallelism: sequence length {s} does not divide by "
@@ -99,8 +121,15 @@ def scatter_seq(x: torch.Tensor, group, tags: Optional[dict] = None) -> torch.Te
     rest = tuple(x.shape[2:])
     pieces = x.reshape(b, n, s // n, *rest).transpose(0, 1).reshape(n * b, s // n, *rest)
     out = torch.empty((b, s // n) + rest, dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, pieces, group=group, axis=AXIS, **(tags or {}))
-    return out
+    handle = comm.reduce_scatter(out, pieces, group=group, axis=AXIS, async_op=True,
+                                 **(tags or {}))
+    held = [pieces]  # in flight: kept until the wait, then freed there (labkit.comm_release)
+
+    def done() -> torch.Tensor:
+        handle.wait()
+        held.clear()
+        return out
+    return done
 
 
 class IdentityFwdAllReduceBwd(torch.autograd.Function):

@@ -28,7 +28,7 @@ from torch import nn
 from ...models.gpt import compute_dtype
 from ...models.norm import rms_norm
 from .functions import (copy_to_tp, gather_from_sp, gather_seq, reduce_from_tp,
-                        reduce_scatter_to_sp, scatter_seq, tp_size)
+                        reduce_scatter_to_sp, start_gather_seq, start_scatter_seq, tp_size)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm", "column_matmuls",
            "row_output", "shard_rows", "shard_cols"]
@@ -51,7 +51,9 @@ class _RegatherColumnMatmuls(torch.autograd.Function):
     backward and all-gather it again there (Korthikanti et al. 2022, §4.2.2: store the
     sequence-parallel part of the input, an extra all-gather in backward), instead of the
     gathered ``(B, S, H)``. Forward: all-gather, ``Y_j = X W_jᵀ``. Backward: all-gather ``X``
-    again for ``dW_j = dY_jᵀ X``, and reduce-scatter ``dX = Σ_j dY_j W_j``.
+    again for ``dW_j = dY_jᵀ X``, and reduce-scatter ``dX = Σ_j dY_j W_j``; both
+    collectives are issued asynchronously and overlap compute, as in Megatron-LM (§4.2.2):
+    the all-gather runs while ``dX`` is computed, the reduce-scatter while the ``dW_j`` are.
 
     Under autocast the matmuls run in autocast's dtype ``c`` as they would outside this
     Function: the shard is kept (and re-gathered) in ``c``, the weights are cast to ``c``,
@@ -70,16 +72,23 @@ class _RegatherColumnMatmuls(torch.autograd.Function):
     def backward(ctx, *grads):
         x_local, *weights = ctx.saved_tensors
         bwd = {**ctx.tags, "phase": "backward"}
-        x = gather_seq(x_local, ctx.group, {**bwd, "regather": True})
-        x2 = x.reshape(-1, x.shape[-1])
-        c = x.dtype
+        c = x_local.dtype
+        # Megatron-LM's overlap (Korthikanti et al. 2022 §4.2.2; Megatron-LM's
+        # LinearWithGradAccumulationAndAsyncCommunication): the re-gather of the kept shard
+        # runs on the backend's thread while dX = Σ_j dY_j W_j is computed, and the
+        # reduce-scatter of dX while dW_j = dY_jᵀ X is
+        gathered = start_gather_seq(x_local, ctx.group, {**bwd, "regather": True})
         gx = None
         for g, w in zip(grads, weights):
             part = (g.to(c) @ w.to(c)).to(ctx.in_dtype)
             gx = part if gx is None else gx + part
+        x = gathered()
+        scattered = start_scatter_seq(gx, ctx.group, bwd)
+        del gx
+        x2 = x.reshape(-1, x.shape[-1])
         gws = [(g.to(c).reshape(-1, g.shape[-1]).t() @ x2).to(w.dtype)
                for g, w in zip(grads, weights)]
-        return (scatter_seq(gx, ctx.group, bwd), None, None, *gws)
+        return (scattered(), None, None, *gws)
 
 
 def column_matmuls(x: torch.Tensor, weights: Sequence[torch.Tensor], group, *,
