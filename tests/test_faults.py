@@ -304,13 +304,15 @@ def test_faults_on_the_warm_cluster(cluster2, tmp_path, monkeypatch):
 
     # a straggler: rank 0 sleeps 0.25 s per step from step 1; its peer waits for it. Named
     # live (while the job runs: RunResult.faults is filled only then), from the flight
-    # records, at its third late step, and again from the trace after the job
-    slow = cluster2.run(jobs.train, BASE.replace(steps=6, fault="slow@1:rank0:seconds=0.25",
+    # records, at its third late step, and again from the trace after the job. The job
+    # runs 9 steps so that a driver starved of CPU (CI at load) still sees it before the end
+    slow = cluster2.run(jobs.train, BASE.replace(steps=9, fault="slow@1:rank0:seconds=0.25",
                                                  straggler_s=0.15))
     live, = slow.faults
     s = live.extra["straggler"]
-    assert (live.kind, live.rank, s.group, s.late) == ("straggler", 0, (0, 1), 3), live.message
-    assert 0.15 < s.late_s < 1.0 and 1 <= s.step <= 4 and live.step == s.step
+    assert (live.kind, live.rank, s.group) == ("straggler", 0, (0, 1)) and s.late >= 3, \
+        live.message
+    assert 0.15 < s.late_s < 1.0 and 1 <= s.step < 8 and live.step == s.step
     # bound: one poll (0.25 s) after the deciding entry; generous for a loaded machine
     assert live.injected_at < s.t_seen <= live.detected_at < s.t_seen + 2.0
     assert cluster2.faults[-1] is live
