@@ -2,9 +2,11 @@
 
 One 2-rank pool (the session's ``cluster2``) runs everything: a clean run as the oracle, a
 transient bit flip caught and re-run away (losses equal the clean run's exactly), a
-straggler named from the trace, a skipped all-reduce diagnosed (op, group, seq, missing
-rank, where the sequences diverge), and a SIGKILLed rank recovered by
-:func:`run_resilient` (losses equal the clean run's). Two of these restart the pool.
+straggler named live while the job runs and from the trace after it, a skipped all-reduce
+diagnosed (op, group, seq, missing rank, where the sequences diverge), a rank frozen inside
+an all-reduce (a stall inside the backend: every member entered; the frozen one named by
+its heartbeat, torch's Flight Recorder agreeing), and a SIGKILLed rank recovered by
+:func:`run_resilient` (losses equal the clean run's). Three of these restart the pool.
 Bounds are structural or generous (detection well under the watchdog plus the job's
 timeout); the timings themselves are in benchmarks/fault_recovery.py.
 """
