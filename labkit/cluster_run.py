@@ -11,6 +11,7 @@ the pool's pipes, processes and lifecycle methods that ``Cluster`` defines.
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 import warnings
 from typing import Any, Callable, Optional, Union
@@ -94,7 +95,9 @@ class JobRunner:
             started = True
             for c in self._conns:
                 c.send(("run", job_id, module, qualname, config, nranks))
-            watch = Watch(self._tmp, self._procs, nranks, getattr(config, "watchdog_s", None))
+            watch = Watch(self._tmp, self._procs, nranks, getattr(config, "watchdog_s", None),
+                          getattr(config, "straggler_s", None),
+                          any(i and i.get("torch_fr") for i in self.info))
             outputs, events = self._collect(job_id, name, t0 + timeout_s, timeout_s, watch)
         except KeyboardInterrupt:
             self.restart()
@@ -102,7 +105,7 @@ class JobRunner:
                     if started else f"start of {self.world_size} ranks cancelled")
             raise JobCancelled(f"{what}; pool restarting") from None
         return RunResult(config, [outputs[r] for r in range(nranks)], Trace.merge(events),
-                         time.perf_counter() - t0, name)
+                         time.perf_counter() - t0, name, faults=list(watch.live))
 
     def _collect(self, job_id, name, deadline, timeout_s, watch: "Watch"):
         outputs, events = {}, []
@@ -116,12 +119,15 @@ class JobRunner:
                 where = f"\n{hang.message}" if hang else ""
                 raise TimeoutError(f"job {name} did not finish within {timeout_s} s on ranks "
                                    f"{sorted(pending)}; the cluster was restarted{where}")
+            for slow in watch.stragglers():  # live: reported while the job goes on
+                self._fault(slow)
+                print(f"labkit: {slow.message}", file=sys.stderr, flush=True)
             hang = watch.hang()
             if hang is not None:  # a rank waited in a collective longer than watchdog_s
                 self._fault(hang)
                 self.restart()
                 raise CollectiveHang(hang)
-            kind, rank, payload = self._next_message(pending, min(left, 0.5))
+            kind, rank, payload = self._next_message(pending, min(left, watch.poll_s))
             if kind == "result":
                 outputs[rank] = payload["output"]
                 events.append(unpack_events(payload["events"]))

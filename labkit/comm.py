@@ -108,6 +108,8 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
     rec, slot = _recorder._ACTIVE, None
     if rec is not None and cat == COMM:  # readable by the parent while this rank is stuck
         slot = rec.enter(op_name, tuple(peers), int(args.get("numel", 0)), time.perf_counter())
+        if _inject._armed:
+            _inject.after_enter(op_name)  # an injected stall freezes the rank here
     before = refs(tensors) if comm_release.active() else None
     handle = Handle(call(True), event, finish, tensors, before,  # the only reference to the work
                     recorded=slot)

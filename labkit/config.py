@@ -109,6 +109,10 @@ class RunConfig:
             declares a hang, names the rank and the collective
             (:class:`~labkit.faults.watch.CollectiveHang`) and restarts; ``None``: only
             ``timeout_s`` ends a hung job.
+        straggler_s: while the job runs, the cluster reports (without stopping it) a rank
+            that entered 3 of its group's last 4 collectives last, more than this many
+            seconds after the others (:func:`labkit.faults.straggler.live_stragglers`);
+            ``None`` (default): off.
         fingerprint_every: every this many steps, data-parallel replicas all-gather a
             checksum of their reduced gradients and parameters and compare (silent data
             corruption, :mod:`labkit.faults.sdc`); 0 (default) is off.
@@ -163,6 +167,7 @@ class RunConfig:
     return_grads: bool = False
     fault: Any = None
     watchdog_s: Optional[float] = None
+    straggler_s: Optional[float] = None
     fingerprint_every: int = 0
     save_dir: Optional[str] = None
     save_every: int = 0

@@ -2,7 +2,7 @@
 ``JobCancelled`` when the caller interrupted it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .trace import Trace
@@ -41,6 +41,8 @@ class RunResult:
         outputs: each job rank's return value, indexed by rank.
         trace: all ranks' events merged (:class:`labkit.trace.Trace`).
         wall_s: seconds from dispatch to the last result, in the caller.
+        faults: what the cluster saw while the job ran and let it finish (live stragglers:
+            :class:`labkit.faults.watch.FaultEvent` s of kind ``"straggler"``).
     """
 
     config: Any
@@ -48,6 +50,7 @@ class RunResult:
     trace: Trace
     wall_s: float
     job: str = ""
+    faults: list = field(default_factory=list)
 
     @property
     def world_size(self) -> int:

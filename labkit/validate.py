@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Optional
 
 __all__ = ["ConfigError", "validate_run", "default", "CHECKPOINT_POLICIES", "PRECISIONS", "CP_METHODS"]
@@ -189,7 +190,10 @@ def _snapshot(cfg) -> None:
         if cfg.save_dir is not None:
             folder.check_lock(cfg.save_dir)
         if r:
-            folder.check_resume(cfg)
+            snap = folder.check_resume(cfg)
+            note = folder.objective_change(cfg, folder.read_info(snap), snap)
+            if note:  # allowed, but never silently: the losses will not match
+                warnings.warn(note, folder.ObjectiveChangeWarning, stacklevel=3)
 
 
 def _model(cfg, mc) -> None:
@@ -409,6 +413,8 @@ def _faults(cfg) -> None:
         if cfg.watchdog_s >= cfg.timeout_s:
             raise ValueError(f"watchdog_s={cfg.watchdog_s:g} must be below timeout_s="
                              f"{cfg.timeout_s:g}, or the job's timeout fires first")
+    if cfg.straggler_s is not None:
+        _number(cfg.straggler_s, "straggler_s", 0, strict=True)
     f = cfg.fingerprint_every
     if isinstance(f, bool) or not isinstance(f, int) or f < 0:
         raise ValueError(f"fingerprint_every must be an int >= 0 (0: off), got {f!r}")

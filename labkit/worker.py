@@ -226,12 +226,14 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
         conn.send(("error", None, rank, traceback.format_exc()))
         return
     conn.send(("ready", None, rank, {"pid": os.getpid(), "device": str(device),
-                                     "threads": torch.get_num_threads()}))
+                                     "threads": torch.get_num_threads(),
+                                     "torch_fr": bool(os.environ.get("TORCH_FR_BUFFER_SIZE"))}))
     from .faults.recorder import open_recorder
     from .mesh import ProcessGroups, mesh_from
 
     # the flight record the parent reads when this rank is stuck (labkit.faults.recorder)
     flight = open_recorder(recorder_path(store_path, rank))
+    flight.start_heartbeat()  # the parent tells a frozen process from a waiting one
     if os.environ.get("TORCH_FR_BUFFER_SIZE"):
         threading.Thread(target=_dump_torch_fr, args=(flight, store_path, rank),
                          daemon=True).start()

@@ -13,11 +13,13 @@ from labkit.faults.spec import parse_faults
 
 @dataclass(frozen=True)
 class SkipConfig:
-    """``steps`` steps of one all-reduce each; ``fault`` as in RunConfig."""
+    """``steps`` steps of one all-reduce each; ``fault``, ``watchdog_s`` and
+    ``straggler_s`` as in RunConfig."""
 
     steps: int = 4
     fault: Optional[str] = None
     watchdog_s: Optional[float] = 2.0
+    straggler_s: Optional[float] = None
     timeout_s: float = 60.0
 
 

@@ -36,7 +36,7 @@ VALUES = {
     "cp_zigzag": False, "checkpoint": "full", "checkpoint_every": 2, "precision": "bf16",
     "compile": True, "impl": "torch", "measure_memory": False, "count_flops": False,
     "timeout_s": 5.0, "return_state": True, "return_grads": True,
-    "fault": "bitflip@1:rank1", "watchdog_s": 30.0, "fingerprint_every": 1,
+    "fault": "bitflip@1:rank1", "watchdog_s": 30.0, "straggler_s": 5.0, "fingerprint_every": 1,
     "save_dir": "/nonexistent/labkit-snapshots", "save_every": 1, "resume": True,
     "noise_scale": True,
 }
@@ -68,6 +68,8 @@ ELSEWHERE = {
     "timeout_s": "tests/test_cluster.py::test_timeout_restarts (a cluster-side deadline)",
     "watchdog_s": "tests/test_faults.py::test_faults_on_the_warm_cluster (a cluster-side "
                   "hang detector: a finished run never met it)",
+    "straggler_s": "tests/test_faults.py::test_faults_on_the_warm_cluster (a cluster-side "
+                   "live detector: reports, never changes the run)",
     "save_dir": "writes files, read back by tests/test_snapshot.py (the snapshot matrix)",
     "save_every": "tests/test_snapshot.py::test_save_every_and_write_then_rename",
     "resume": "tests/test_snapshot.py (resumed runs match the uninterrupted ones)",

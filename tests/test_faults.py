@@ -2,9 +2,11 @@
 
 One 2-rank pool (the session's ``cluster2``) runs everything: a clean run as the oracle, a
 transient bit flip caught and re-run away (losses equal the clean run's exactly), a
-straggler named from the trace, a skipped all-reduce diagnosed (op, group, seq, missing
-rank, where the sequences diverge), and a SIGKILLed rank recovered by
-:func:`run_resilient` (losses equal the clean run's). Two of these restart the pool.
+straggler named live while the job runs and from the trace after it, a skipped all-reduce
+diagnosed (op, group, seq, missing rank, where the sequences diverge), a rank frozen inside
+an all-reduce (a stall inside the backend: every member entered; the frozen one named by
+its heartbeat, torch's Flight Recorder agreeing), and a SIGKILLed rank recovered by
+:func:`run_resilient` (losses equal the clean run's). Three of these restart the pool.
 Bounds are structural or generous (detection well under the watchdog plus the job's
 timeout); the timings themselves are in benchmarks/fault_recovery.py.
 """
@@ -126,6 +128,108 @@ def test_flight_records_diagnose_a_skip_without_ranks(tmp_path):
     assert diagnose({r: by_rank[2] for r in (2,)}, now=110.0) is None  # nobody waiting
 
 
+def _records(tmp_path, n: int, plan) -> dict:
+    """Flight records of ``n`` ranks written through the mapped files: ``plan(rank, rec)``
+    writes them; read back as the cluster reads them."""
+    from labkit.faults.recorder import FlightRecorder, read_records
+
+    for r in range(n):
+        rec = FlightRecorder(str(tmp_path / f"flight{r}"))
+        rec.begin_job(1)
+        plan(r, rec)
+    return {r: read_records(str(tmp_path / f"flight{r}"), r) for r in range(n)}
+
+
+def test_a_stall_inside_the_backend_is_diagnosed_without_ranks(tmp_path):
+    """Every member of [0, 1, 2] entered all-reduce #2 of step 2 and none left: nobody is
+    missing, so the report gives the entry times (rank 2 last), each rank's last completed
+    collective, and the heartbeats: rank 1's stopped, so it is the one the others wait for;
+    with every heartbeat live nobody is blamed. torch's Flight Recorder, planted, agrees
+    only when the answering members' last entries are that op of that size at one seq."""
+    from labkit.faults.diagnose import diagnose
+    from labkit.faults.watch import fr_agreement
+
+    beats = {0: 109.9, 1: 104.5, 2: 109.95}
+
+    def plan(r, rec):
+        for step in range(3):
+            rec.set_step(step)
+            slot = rec.enter("all_reduce", (0, 1, 2), 64, 100.0 + step + 0.01 * r)
+            if step < 2:
+                rec.exit(slot, 100.0 + step + 0.5)
+        rec.beat(beats[r])
+
+    by_rank = _records(tmp_path, 3, plan)
+    rep = diagnose(by_rank, now=110.0, states={1: "stopped (T)"})
+    assert rep.in_backend and rep.missing == () and rep.entered == (0, 1, 2)
+    assert (rep.op, rep.group, rep.seq, rep.step, rep.numel) == ("all_reduce", (0, 1, 2), 2,
+                                                                 2, 64)
+    assert rep.entered_at == pytest.approx({0: 0.0, 1: 0.01, 2: 0.02})
+    assert rep.last_entered == 2 and rep.waited_s == pytest.approx(8.0)
+    assert rep.heartbeat_age_s == pytest.approx({0: 0.1, 1: 5.5, 2: 0.05})
+    assert rep.frozen == (1,) and rep.culprit == 1
+    text = str(rep)
+    assert "every member entered it" in text and "rank 2 last" in text
+    assert "rank 1: heartbeat stopped 5.5 s ago" in text and "kernel: stopped (T)" in text
+    assert "last completed all_reduce #1 on group [0, 1, 2] (step 1)" in text
+    assert "the others wait for rank 1, frozen inside all_reduce #2" in text
+    by_rank[1].heartbeat = 109.8  # every process alive: the backend itself is stuck
+    rep2 = diagnose(by_rank, now=110.0)
+    assert rep2.frozen == () and rep2.culprit is None and "no rank can be blamed" in str(rep2)
+
+    fr = {0: (("0", "pg"), 7, "gloo:all_reduce", "scheduled", [[8, 8]]),
+          2: (("0", "pg"), 7, "gloo:all_reduce", "scheduled", [[64]])}
+    assert "agrees" in fr_agreement(rep, fr) and "rank 1: did not answer (it is frozen)" in \
+        fr_agreement(rep, fr)
+    assert "DISAGREES" in fr_agreement(rep, {**fr, 2: (("0", "pg"), 6, "gloo:all_reduce",
+                                                       "scheduled", [[64]])})  # other seq
+    assert "DISAGREES" in fr_agreement(rep, {**fr, 0: (("0", "pg"), 7, "gloo:broadcast",
+                                                       "scheduled", [[64]])})  # other op
+    assert "DISAGREES" in fr_agreement(rep2, fr)  # rank 1 is alive: it should have answered
+
+
+def test_live_straggler_from_flight_records_without_ranks(tmp_path):
+    """Rank 1 keeps ranks 0 and 2 waiting 0.3 s from step 2 on (three collectives a step,
+    only the first delayed, the others entered last by 1 ms); a one-off 0.4 s delay of
+    rank 0 in step 1 is noise. Fed the
+    records as they grow, the rule names rank 1 exactly when it enters the third late
+    step's collective, with its lateness and that collective, and never rank 0."""
+    from labkit.faults.straggler import live_stragglers
+
+    def plan_upto(last):
+        def plan(r, rec):
+            t = 0.0
+            for step in range(6):
+                rec.set_step(step)
+                for k in range(3):
+                    if (step, k) > last:
+                        return
+                    t += 1.0
+                    delay = (0.3 if r == 1 and step >= 2 and k == 0 else
+                             0.4 if r == 0 and step == 1 and k == 0 else 0.0)
+                    noise = (0.0, 0.002, 0.001)[r]  # rank 1 is also last, barely, at k > 0
+                    rec.exit(rec.enter("all_reduce", (0, 1, 2), 16, t + delay + noise),
+                             t + 0.5)
+        return plan
+
+    seen = []
+    for last in [(s, k) for s in range(6) for k in range(3)]:
+        found = live_stragglers(_records(tmp_path, 3, plan_upto(last)), threshold_s=0.2)
+        seen.append((last, [f.rank for f in found]))
+        if found:
+            break
+    assert seen[-1] == ((4, 0), [1]) and all(not f for _, f in seen[:-1]), seen
+    s, = found
+    assert (s.rank, s.group, s.op, s.seq, s.step, s.late) == (1, (0, 1, 2), "all_reduce", 12,
+                                                              4, 3)
+    assert s.late_s == pytest.approx(0.302)
+    assert s.t_seen == pytest.approx(13.302)
+    assert "rank 1 is a straggler: in 3 of the last 4 steps" in str(s)
+    assert live_stragglers(_records(tmp_path, 3, plan_upto((4, 0))), threshold_s=0.35) == []
+    with pytest.raises(ValueError, match="min_late=5 must be between 1 and window=4"):
+        live_stragglers({}, 0.1, min_late=5)
+
+
 # ------------------------------------------------------------------------- goodput planner
 def _simulated_goodput(tau, delta, mtbf, restart, work, rng) -> float:
     """Monte Carlo of exponential failures with checkpoints: the oracle for Daly's formula."""
@@ -184,9 +288,9 @@ def test_resume_starts_at_the_last_snapshot_before_the_fault():
 
 # ----------------------------------------------------------------------- on the warm ranks
 @pytest.mark.distributed
-def test_faults_on_the_warm_cluster(cluster2, tmp_path):
-    clean = cluster2.run(jobs.train, BASE)
-    assert clean.metrics[0]["faults_injected"] == []
+def test_faults_on_the_warm_cluster(cluster2, tmp_path, monkeypatch):
+    clean = cluster2.run(jobs.train, BASE.replace(straggler_s=0.15))
+    assert clean.metrics[0]["faults_injected"] == [] and clean.faults == []
 
     # a transient bit flip in rank 1's reduced gradient at step 1: caught, re-run away
     sdc = cluster2.run(jobs.train, BASE.replace(fault="bitflip@1:rank1", fingerprint_every=1))
@@ -200,14 +304,28 @@ def test_faults_on_the_warm_cluster(cluster2, tmp_path):
     fps = [e for e in sdc.trace.filter(rank=0, op="all_gather") if "fingerprint" in e.args]
     assert len(fps) == 2 * 4 + 1  # grads and params every step, plus the re-run's check
 
-    # a straggler: rank 0 sleeps 0.25 s per step from step 1; its peer waits for it
-    slow = cluster2.run(jobs.train, BASE.replace(fault="slow@1:rank0:seconds=0.25"))
+    # a straggler: rank 0 sleeps 0.25 s per step from step 1; its peer waits for it. Named
+    # live (while the job runs: RunResult.faults is filled only then), from the flight
+    # records, at its third late step, and again from the trace after the job. The job
+    # runs 9 steps so that a driver starved of CPU (CI at load) still sees it before the end
+    slow = cluster2.run(jobs.train, BASE.replace(steps=9, fault="slow@1:rank0:seconds=0.25",
+                                                 straggler_s=0.15))
+    live, = slow.faults
+    s = live.extra["straggler"]
+    assert (live.kind, live.rank, s.group) == ("straggler", 0, (0, 1)) and s.late >= 3, \
+        live.message
+    assert 0.15 < s.late_s < 1.0 and 1 <= s.step < 8 and live.step == s.step
+    # bound: one poll (0.25 s) after the deciding entry; generous for a loaded machine
+    assert live.injected_at < s.t_seen <= live.detected_at < s.t_seen + 2.0
+    assert cluster2.faults[-1] is live
     rep = stragglers(slow.trace, threshold_s=0.15, from_step=1)
     assert rep.slow == [0] and rep.lateness_s[0] > 0.15, str(rep)
     assert stragglers(clean.trace, threshold_s=0.15, from_step=1).slow == []
 
     # a skipped all-reduce: the hang names the op, the group, the seq, the missing rank
-    # (the pool restarts: the rest uses a job far cheaper than training on fresh ranks)
+    # (the pool restarts: the rest uses a job far cheaper than training on fresh ranks;
+    # the fresh pool records torch's Flight Recorder too)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "256")
     with pytest.raises(CollectiveHang) as err:
         cluster2.run(all_reduce_steps, SkipConfig(steps=4, fault="skip@1:rank1"))
     hang = err.value.fault.hang
@@ -217,6 +335,23 @@ def test_faults_on_the_warm_cluster(cluster2, tmp_path):
     assert "all_reduce #3 on group [0, 1]" in str(err.value)
     assert 2.0 <= hang.waited_s < 30.0  # watchdog_s=2; generous bound
     assert cluster2.faults[-1] is err.value.fault
+
+    # a stall inside the backend: rank 1 enters step 1's all-reduce and freezes (SIGSTOP);
+    # nobody is missing, so the report gives who entered when, the last completed
+    # all-reduce, and the heartbeats: rank 1's stopped. torch's Flight Recorder agrees
+    assert cluster2.run(all_reduce_steps, SkipConfig(steps=1)).outputs == [[3.0], [3.0]]
+    with pytest.raises(CollectiveHang) as err:
+        cluster2.run(all_reduce_steps, SkipConfig(steps=4, fault="stall@1:rank1"))
+    hang, text = err.value.fault.hang, str(err.value)
+    assert (hang.op, hang.group, hang.seq, hang.step) == ("all_reduce", (0, 1), 1, 1)
+    assert hang.in_backend and hang.entered == (0, 1) and hang.missing == ()
+    assert hang.frozen == (1,) and err.value.fault.rank == 1 and "stopped (T)" in \
+        hang.proc_state[1]
+    assert "every member entered it" in text and "heartbeat stopped" in text
+    assert "last completed all_reduce #0 on group [0, 1] (step 0)" in text
+    assert "torch Flight Recorder agrees" in text and "rank 1: did not answer (it is " \
+        "frozen)" in text, text
+    assert 2.0 <= err.value.fault.detect_s < 30.0
 
     # a SIGKILLed rank at step 3: named, the pool restarted, resumed from the snapshot
     # after step 2 (labkit.snapshot); the resumed losses are the uninterrupted run's

@@ -34,6 +34,10 @@ from labkit.snapshot.pieces import range_boxes
 TINY = ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, name="snap-tiny")
 MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, n_experts=4, top_k=2,
                   aux_loss_weight=0.01, name="snap-moe")
+#: FSDP2 on 4 ranks splits dim 0 in chunks of ⌈d₀/4⌉ rows: vocabulary 258 → 65, 65, 65, 63;
+#: d_model 30 → 8, 8, 8, 6; d_ff 2 → 1, 1, 0, 0 (two ranks hold an empty shard)
+UNEVEN = ModelConfig(n_layers=1, d_model=30, n_heads=3, seq_len=16, d_ff=2, vocab_size=258,
+                     name="snap-uneven")
 BASE = RunConfig(model=TINY, steps=4, global_batch=8, adam_eps=1e-6, measure_memory=False,
                  count_flops=False, return_state=True)
 TOL = 2e-6  # fp32 reduction order after 2 AdamW steps at lr 1e-3 (measured ≤ 1.2e-7)
@@ -49,6 +53,8 @@ MATRIX = {
                       ["pp2xdp2-zero3", "dp2xtp2-zero1", "hsdp2x2"]),
     "moe-dp2xep2": (dict(model=MOE, parallel=dict(dp=2, ep=2)),
                     ["moe-dp2xep2", "moe-dp2", "moe-dp2xep2-zero3"]),
+    "fsdp2-uneven": (dict(model=UNEVEN, parallel=dict(dp=4), zero_stage=3, impl="torch"),
+                     ["fsdp2-uneven", "uneven-dp2-zero1"]),
 }
 LAYOUTS = {
     "dp4": dict(parallel=dict(dp=4)), "dp2": dict(parallel=dict(dp=2)),
@@ -60,6 +66,8 @@ LAYOUTS = {
     # MoE loads keep dp=2 and change ep and ZeRO
     "moe-dp2xep2": MATRIX["moe-dp2xep2"][0], "moe-dp2": dict(model=MOE, parallel=dict(dp=2)),
     "moe-dp2xep2-zero3": dict(model=MOE, parallel=dict(dp=2, ep=2), zero_stage=3),
+    "fsdp2-uneven": MATRIX["fsdp2-uneven"][0],
+    "uneven-dp2-zero1": dict(model=UNEVEN, parallel=dict(dp=2), zero_stage=1),
 }
 
 pytestmark = pytest.mark.distributed
@@ -193,6 +201,64 @@ def _oracle_after(cfg, steps: int) -> dict:
         out[f"optim/exp_avg_sq/{name}"] = st["exp_avg_sq"]
         out[f"optim/step/{name}"] = st["step"]
     return out
+
+
+def _oracle_switched(before, after, switch: int, steps: int) -> dict:
+    """The independent reference trained ``switch`` steps with ``before``'s MoE token
+    groups and then up to ``steps`` with ``after``'s (one AdamW throughout): what a run
+    saved in ``before`` and resumed in ``after`` computes. ``{"losses", "state"}``."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from oracle.model import forward
+    from oracle.run import _unique, initial_params, token_groups
+
+    from labkit.models.data import make_batch
+
+    p = initial_params(before)
+    opt = torch.optim.AdamW(_unique(p), lr=before.lr, weight_decay=before.weight_decay,
+                            eps=before.adam_eps)
+    losses = []
+    for step in range(steps):
+        groups, n = token_groups(before if step < switch else after)
+        x, y = make_batch(before, step)
+        obj, lm, _ = forward(p, before.model_config, x, y, groups, n, record=[])
+        opt.zero_grad(set_to_none=True)
+        obj.backward()
+        opt.step()
+        losses.append(lm.item())
+    return {"losses": losses, "state": {k: t.detach() for k, t in p.items()}}
+
+
+def test_moe_resumed_with_other_token_groups_trains_the_stated_objective(cluster4, saved):
+    """A MoE snapshot (dp2×ep2) resumed at dp4×ep2: the load-balancing loss and capacity are
+    per token group (data rank × microbatch × context rank), so the objective changes with
+    dp. What stays equal, and is checked: the resumed run is the independent reference
+    trained 2 steps with the saving layout's groups, then 2 with the new layout's, from the
+    loaded state (losses and every parameter, fp32 reduction-order tolerance). The change is
+    warned about before launch, naming both groupings, and reported in the run's metrics;
+    a layout that keeps the groups (ep, ZeRO: the matrix above) gets no warning."""
+    import warnings
+
+    cfg, full, part, snap = saved["moe-dp2xep2"]
+    new = BASE.replace(model=MOE, parallel=dict(dp=4, ep=2), resume=str(snap))
+    with pytest.warns(folder.ObjectiveChangeWarning,
+                      match=r"dp=2, micro_batch=4, cp=1: 2 groups per step -> dp=4, "
+                            r"micro_batch=2, cp=1: 4 groups"):
+        res = cluster4.run(jobs.train, new)
+    for m in res.metrics:
+        assert "will not reproduce the uninterrupted run" in \
+            m["snapshot"]["loaded"]["objective_change"]
+    ref = _oracle_switched(cfg, new, 2, 4)
+    state = _state(res)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref["losses"][2:])) <= TOL
+    assert max((state[k] - ref["state"][k]).abs().max().item() for k in state) <= TOL
+    # the reference itself: the same state under the other groups is another objective
+    same = _oracle_switched(cfg, cfg, 2, 4)
+    assert same["losses"][2:] != ref["losses"][2:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", folder.ObjectiveChangeWarning)
+        for name in ("moe-dp2", "moe-dp2xep2-zero3"):
+            BASE.replace(**LAYOUTS[name], resume=str(snap)).validate(4)
+    assert folder.objective_change(BASE.replace(resume=str(snap)), {"step": 2}) is None
 
 
 def test_snapshot_holds_the_reference_state(saved, tmp_path):

@@ -117,11 +117,14 @@ FLAGS: tuple = (
     Flag("--impl", "impl", str, "labkit, or torch: PyTorch's own DDP / FSDP2 / pipelining "
          "as the reference (default labkit)", _SPEED, metavar="{labkit,torch}"),
     Flag("--fault", "fault", str, "inject faults: KIND@STEP:rankR[:key=value...] joined by "
-         "commas; kinds kill, hang, skip, slow, bitflip (e.g. kill@2:rank1, "
+         "commas; kinds kill, hang, stall, skip, slow, bitflip (e.g. kill@2:rank1, "
          "slow@0:rank1:seconds=0.3, bitflip@1:rank1:target=grad). The run is restarted once "
          "after a detected fault", _FAULTS, metavar="SPEC"),
     Flag("--watchdog", "watchdog_s", float, "seconds a rank may wait inside one collective "
          "before the hang is diagnosed (which rank, which collective) and the pool restarted "
+         "(default: off)", _FAULTS, metavar="S"),
+    Flag("--straggler", "straggler_s", float, "report, while the run goes on, a rank that "
+         "enters 3 of its group's last 4 collectives S seconds after the others "
          "(default: off)", _FAULTS, metavar="S"),
     Flag("--fingerprint-every", "fingerprint_every", int, "compare data-parallel replicas' "
          "gradient and parameter checksums every K steps: silent data corruption "

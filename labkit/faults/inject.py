@@ -3,8 +3,9 @@
 The training job calls :func:`arm` with the run's faults before its first step and
 :func:`disarm` after; :func:`on_step` runs at the start of each step (``kill``, ``slow``),
 :func:`on_collective` inside :mod:`labkit.comm` before an op reaches the backend
-(``hang``, ``skip``), :func:`flip` after the gradient reduction and after the optimizer
-(``bitflip``). With nothing armed each hook is one attribute test.
+(``hang``, ``skip``), :func:`after_enter` once the flight record holds it (``stall``),
+:func:`flip` after the gradient reduction and after the optimizer (``bitflip``). With
+nothing armed each hook is one attribute test.
 
 Every fault stamps its moment into the rank's flight record first
 (:meth:`labkit.faults.recorder.FlightRecorder.note_fault`), so the cluster can measure how
@@ -21,7 +22,8 @@ import torch
 
 from . import recorder
 
-__all__ = ["arm", "disarm", "armed", "on_step", "on_collective", "flip", "flip_bit"]
+__all__ = ["arm", "disarm", "armed", "on_step", "on_collective", "after_enter", "flip",
+           "flip_bit"]
 
 _armed: list = []
 _step = -1
@@ -87,6 +89,16 @@ def on_collective(op: str) -> bool:
             _stamp("skip")
             return True
     return False
+
+
+def after_enter(op: str) -> None:
+    """The collective ``op`` is in this rank's flight record: an armed ``stall`` freezes the
+    whole process here (``SIGSTOP``: every thread, the heartbeat too) until it is killed."""
+    for f in _armed:
+        if f.kind == "stall" and f.step == _step and id(f) not in _fired:
+            _fired.add(id(f))
+            _stamp("stall")
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:

@@ -7,6 +7,9 @@ A fault is written ``KIND@STEP:rankR[:key=value…]`` (the CLI's ``--fault``, an
 kill       the rank SIGKILLs itself at the start of step ``STEP`` (a crashed host)
 hang       the rank stalls at its first collective of step ``STEP``, before handing it
            to the backend, for ``seconds`` (default: until the watchdog kills it)
+stall      the rank enters its first collective of step ``STEP`` (its flight record says
+           so) and then freezes (``SIGSTOP``, as a host whose process is no longer
+           scheduled): every member entered, none completes — a stall inside the backend
 skip       the rank skips its first collective ``op`` (default ``all_reduce``) of step
            ``STEP``: every later collective of that group is then off by one
 slow       the rank sleeps ``seconds`` (default 0.2) at the start of every step from
@@ -34,7 +37,7 @@ from typing import Optional, Union
 
 __all__ = ["FaultSpec", "KINDS", "parse_faults", "check_faults"]
 
-KINDS = ("kill", "hang", "skip", "slow", "bitflip")
+KINDS = ("kill", "hang", "skip", "slow", "bitflip", "stall")
 _OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 _PATTERN = re.compile(r"^\s*([a-z]+)\s*@\s*(-?\d+)\s*:\s*rank\s*(-?\d+)\s*((?::[^:,]+)*)\s*$")
 
@@ -44,7 +47,7 @@ class FaultSpec:
     """One injected fault (see the module docstring for the kinds).
 
     Attributes:
-        kind: ``"kill"``, ``"hang"``, ``"skip"``, ``"slow"`` or ``"bitflip"``.
+        kind: ``"kill"``, ``"hang"``, ``"stall"``, ``"skip"``, ``"slow"`` or ``"bitflip"``.
         step: training step (0-based) at which it happens.
         rank: global rank it happens on.
         seconds: ``hang``: how long the stall lasts (``None``: until killed); ``slow``:
@@ -145,6 +148,9 @@ def check_faults(faults: tuple, world_size: int, steps: int, *, dp: int = 1,
                              f"0..{world_size - 1} (world_size={world_size})")
         if f.seconds is not None and not f.seconds > 0:
             raise ValueError(f"fault {f}: seconds={f.seconds} must be > 0")
+        if f.kind == "stall" and f.seconds is not None:
+            raise ValueError(f"fault {f}: a stall lasts until the watchdog kills the rank; "
+                             f"seconds={f.seconds:g} is for hang and slow")
         if f.kind == "skip" and f.op not in _OPS:
             raise ValueError(f"fault {f}: op={f.op!r} is not one of {', '.join(_OPS)}")
         if f.kind == "bitflip":
@@ -159,7 +165,7 @@ def check_faults(faults: tuple, world_size: int, steps: int, *, dp: int = 1,
                     f"fault {f}: a bit flip into one data-parallel replica needs full replicas "
                     f"to compare: dp >= 2 with zero_stage=0, pp=1 and impl='labkit' (got dp={dp},"
                     f" zero_stage={zero_stage}, pp={pp}, impl={impl!r})")
-    kills = [f for f in faults if f.kind in ("kill", "hang", "skip")]
+    kills = [f for f in faults if f.kind in ("kill", "hang", "skip", "stall")]
     if len(kills) > 1:
-        raise ValueError(f"faults {', '.join(map(str, kills))}: at most one kill/hang/skip per "
-                         "run (the first ends the job)")
+        raise ValueError(f"faults {', '.join(map(str, kills))}: at most one kill/hang/skip/"
+                         "stall per run (the first ends the job)")

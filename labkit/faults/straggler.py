@@ -8,6 +8,12 @@ other member entered. A straggler is late at most collectives; the others are ea
 
 Bound: a straggler is named in the result of the run it slowed (every collective it
 delayed is in the trace), from the first step it slowed.
+
+Live: :func:`live_stragglers` reads the same lateness from the flight records
+(:mod:`.recorder`) while the job runs; :class:`labkit.Cluster` polls it every 0.25 s for a
+job whose config sets ``straggler_s`` and reports each straggler once per job
+(:attr:`labkit.Cluster.faults`, ``RunResult.faults``, and a line on stderr), without
+stopping the job.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 from ..trace import COMM
 
-__all__ = ["StragglerReport", "stragglers"]
+__all__ = ["StragglerReport", "stragglers", "LiveStraggler", "live_stragglers"]
 
 
 @dataclass
@@ -79,3 +85,104 @@ def stragglers(trace, threshold_s: float = 0.05, from_step: int = 0) -> Straggle
     slow = sorted((r for r, v in lateness.items() if v > threshold_s),
                   key=lambda r: -lateness[r])
     return StragglerReport(lateness, share, slow, threshold_s, n)
+
+
+# -- live, on the cluster's side ----------------------------------------------------------
+#: steps of a group looked at (the latest ones)
+WINDOW = 4
+#: of those, in how many a rank must have kept its peers waiting more than ``threshold_s``
+MIN_LATE = 3
+
+
+@dataclass
+class LiveStraggler:
+    """A straggler seen while the job runs (:func:`live_stragglers`).
+
+    Attributes:
+        rank: the slow rank.
+        group: the group whose collectives it delays.
+        late_s: median over its late steps of the longest its peers waited for it in one
+            collective of the step (seconds).
+        late: in how many of the last ``window`` steps it kept them waiting that long.
+        window: steps looked at.
+        op, seq, step: the collective it was latest to in its latest late step, the
+            collective's sequence number in the group, and the step.
+        steps_behind: the furthest peer's current step minus the straggler's (0 when the
+            collectives keep them in lock-step).
+        t_seen: ``perf_counter`` at which it entered the collective that decided it (the
+            earliest moment it could have been detected).
+    """
+
+    rank: int
+    group: tuple
+    late_s: float
+    late: int
+    window: int
+    op: str
+    seq: int
+    step: int
+    steps_behind: int
+    t_seen: float
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank} is a straggler: in {self.late} of the last {self.window} "
+                f"steps its peers on group {list(self.group)} waited for it, a median "
+                f"{self.late_s * 1e3:.0f} ms (latest: {self.op} #{self.seq} in step "
+                f"{self.step}; {self.steps_behind} step(s) behind its furthest peer)")
+
+
+def live_stragglers(by_rank: dict, threshold_s: float, window: int = WINDOW,
+                    min_late: int = MIN_LATE) -> list:
+    """Stragglers from the flight records of a running job (``{rank: RankRecords}``,
+    :mod:`.recorder`).
+
+    For every collective all members of its group entered, the member that entered last
+    kept the others waiting ``its entry − the earliest other entry``; per step (per
+    collective for a job that numbers no steps) a rank's lateness is the longest such
+    wait it caused. A rank late by more than ``threshold_s`` in at least ``min_late`` of
+    the group's last ``window`` steps is a straggler. Pure: every time comes from the
+    records, so a test drives it with records of any timing.
+
+    Bound: the cluster polls every 0.25 s, so a straggler is reported within one poll of
+    entering, late, the collective of its ``min_late``-th late step (``t_seen``).
+
+    Raises:
+        ValueError: ``threshold_s`` not > 0, or ``min_late`` not in ``1 … window``.
+    """
+    if not threshold_s > 0:
+        raise ValueError(f"threshold_s must be > 0, got {threshold_s!r}")
+    if not 1 <= min_late <= window:
+        raise ValueError(f"min_late={min_late} must be between 1 and window={window}")
+    entries: dict = defaultdict(dict)  # (group, seq) -> {rank: record}
+    for r, rr in by_rank.items():
+        for x in (rr.records if rr is not None else ()):
+            if len(x.group) > 1:
+                entries[(x.group, x.seq)][r] = x
+    found: dict = {}
+    for g in sorted({g for g, _ in entries}):
+        units: dict = {}  # step (or -1 - seq) -> {rank: (lag, record)}, in issue order
+        for (h, seq), recs in sorted(entries.items(), key=lambda kv: kv[0][1]):
+            if h != g or len(recs) < len(g):
+                continue
+            r = max(recs, key=lambda q: recs[q].t_enter)
+            lag = recs[r].t_enter - min(x.t_enter for q, x in recs.items() if q != r)
+            step = recs[r].step
+            u = units.setdefault(step if step >= 0 else -1 - seq, {})
+            if lag > u.get(r, (0.0, None))[0]:
+                u[r] = (lag, recs[r])
+        last = list(units.values())[-window:]
+        late: dict = defaultdict(list)
+        for u in last:
+            for r, (lag, x) in u.items():
+                if lag > threshold_s:
+                    late[r].append((lag, x))
+        for r, lags in late.items():
+            if len(lags) < min_late or r in found:
+                continue
+            x = lags[-1][1]
+            steps = [rr.step for q, rr in by_rank.items() if q in g and rr is not None]
+            found[r] = LiveStraggler(r, g, statistics.median(v for v, _ in lags), len(lags),
+                                     len(last), x.op, x.seq, x.step,
+                                     max(0, max(steps) - by_rank[r].step),
+                                     lags[min_late - 1][1].t_enter)
+    return [found[r] for r in sorted(found)]

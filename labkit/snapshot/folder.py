@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 __all__ = ["step_dir", "partial_dir", "LOCK", "MANIFEST", "latest", "resolve", "read_info",
            "check_lock", "take_lock", "release_lock", "check_resume", "check_files",
+           "token_groups", "objective_change", "ObjectiveChangeWarning",
            "model_fields", "publish", "fsync_dir"]
 
 LOCK = ".in-progress"
@@ -93,6 +94,51 @@ def model_fields(cfg) -> dict:
     (the seed and dataset pick every batch; the step picks the position in it)."""
     return {"model": dataclasses.asdict(cfg.model_config), "seed": cfg.seed,
             "dataset": cfg.dataset}
+
+
+class ObjectiveChangeWarning(UserWarning):
+    """A mixture-of-experts run resumed with other token groups than it was saved with: it
+    continues from the same state but trains another objective (:func:`objective_change`)."""
+
+
+def token_groups(cfg) -> Optional[dict]:
+    """How a mixture-of-experts run splits each step's tokens into the groups its
+    load-balancing loss and expert capacity are computed over: one forward's tokens, i.e.
+    one (data rank, microbatch, context rank) — the rule tests/oracle/run.py writes out
+    independently. ``None`` for a dense model, whose objective no layout changes. Tensor,
+    pipeline (beyond its microbatches), expert and ZeRO degrees do not enter: their tokens
+    are one forward's."""
+    if not cfg.model_config.n_experts:
+        return None
+    p = cfg.parallel
+    return {"dp": p.dp, "micro_batch": cfg.micro, "cp": p.cp,
+            "cp_zigzag": bool(cfg.cp_zigzag) if p.cp > 1 else False,
+            "global_batch": cfg.global_batch,
+            "groups_per_step": cfg.global_batch // cfg.micro * p.cp}
+
+
+def _groups_text(g: dict) -> str:
+    return (f"dp={g['dp']}, micro_batch={g['micro_batch']}, cp={g['cp']}"
+            f"{' zigzag' if g['cp_zigzag'] else ''}: {g['groups_per_step']} groups per step")
+
+
+def objective_change(cfg, info: dict, snap: Optional[Path] = None) -> Optional[str]:
+    """Why a resumed mixture-of-experts run cannot reproduce the uninterrupted run, in
+    words, or ``None`` when its objective is the saved run's (a dense model; the same token
+    groups). The parameters, AdamW moments and steps load exactly either way; what changes
+    is the load-balancing loss and capacity, computed per token group (Fedus et al. 2022,
+    §2.2: per batch of tokens a router sees), so the gradients of every later step differ."""
+    mine, theirs = token_groups(cfg), info.get("token_groups")
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    where = f"{snap / MANIFEST}: " if snap is not None else ""
+    return (f"{where}this mixture-of-experts run splits each step's tokens into other groups "
+            f"than the run that saved it ({_groups_text(theirs)} -> {_groups_text(mine)}); "
+            f"the load-balancing loss and expert capacity are computed per group, so from "
+            f"step {info.get('step')} on it trains another objective and will not reproduce "
+            f"the uninterrupted run's losses. Parameters, AdamW moments and steps load "
+            f"exactly; keep dp, micro_batch, cp and global_batch as saved to continue the "
+            f"same objective")
 
 
 def check_resume(cfg) -> Path:

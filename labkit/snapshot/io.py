@@ -106,7 +106,8 @@ def _write(ctx, setup, step: int, partial: Path, final: Path) -> tuple:
         files = {f.name: f.stat().st_size for f in partial.iterdir()
                  if f.name.endswith(".distcp")}
         info = {**folder.model_fields(cfg), "step": step, "layout": layout(cfg, ctx.world_size),
-                "files": files, "config": repr(cfg), "time": time.time()}
+                "token_groups": folder.token_groups(cfg), "files": files, "config": repr(cfg),
+                "time": time.time()}
         (partial / folder.MANIFEST).write_text(json.dumps(info, indent=1))
         folder.fsync_dir(partial)
         folder.publish(partial, final)
@@ -120,7 +121,10 @@ def load(ctx, setup, snap) -> tuple:
 
     Returns ``(step, report)``: the steps already trained, and this rank's ``{"dir", "step",
     "saved_layout", "same_layout", "bytes_read", "reads": {file: bytes}, "elements_needed",
-    "seconds"}``. In the layout it was saved in, the RNG state is restored too.
+    "objective_change", "seconds"}``. In the layout it was saved in, the RNG state is restored
+    too. ``objective_change`` says why a mixture-of-experts run resumed with other token
+    groups trains another objective (:func:`labkit.snapshot.folder.objective_change`), else
+    ``None``.
 
     Raises:
         ValueError: the manifest or a shard file is wrong (see
@@ -155,4 +159,5 @@ def load(ctx, setup, snap) -> tuple:
                           "saved_layout": info.get("layout"), "same_layout": same,
                           "bytes_read": sum(r["files"].values()), "reads": r["files"],
                           "elements_needed": r["elements_needed"],
+                          "objective_change": folder.objective_change(cfg, info, snap),
                           "seconds": time.perf_counter() - t0}

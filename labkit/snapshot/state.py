@@ -125,9 +125,7 @@ def slots(setup) -> list:
             if hasattr(p, "_local_tensor"):  # FSDP2: this rank's Shard(0) chunk
                 chunk = p.__create_chunk_list__()[0]
                 local_shape, base = tuple(chunk.sizes), tuple(chunk.offsets)
-                if tuple(p._local_tensor.shape) != local_shape:
-                    raise NotImplementedError(f"{name}: padded DTensor shard "
-                                              f"{tuple(p._local_tensor.shape)} vs {local_shape}")
+                _check_dim0_chunk(name, p, local_shape)
                 glob_shape = tuple(p.shape)
             else:
                 local_shape, base, glob_shape = tuple(p.shape), (0,) * p.dim(), tuple(p.shape)
@@ -141,6 +139,28 @@ def slots(setup) -> list:
             keys.add(k)
             uniq.append(sl)
     return uniq
+
+
+def _check_dim0_chunk(name: str, p, chunk_shape: tuple) -> None:
+    """A FSDP2 DTensor's box is the first ``prod(chunk_shape)`` elements of its local
+    storage. FSDP2 splits dim 0 in chunks of ⌈d₀/K⌉ rows (``torch.chunk``: the last ranks
+    get fewer rows, or none) and pads its all-gather buffer, not the parameter: the local
+    tensor is the unpadded chunk. Should a local tensor carry the padding rows, they follow
+    the real ones in dim 0, so the box is still its head; any other placement is refused.
+
+    Raises:
+        NotImplementedError: a placement other than ``Shard(0)`` over one mesh axis, or a
+            local tensor that is not the chunk with (possibly) rows of padding after it.
+    """
+    from torch.distributed.tensor import Shard
+
+    local = tuple(p._local_tensor.shape)
+    placements = tuple(p.placements)
+    if placements != (Shard(0),) or len(local) != len(chunk_shape) or \
+            local[1:] != chunk_shape[1:] or local[:1] < chunk_shape[:1]:
+        raise NotImplementedError(f"{name}: a DTensor with placements {placements} and local "
+                                  f"shape {local} for the chunk {chunk_shape}: only FSDP2's "
+                                  f"Shard(0) over one axis is snapshotted")
 
 
 def rng_key(rank: int, world: int) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 
 import torch
 
@@ -31,6 +32,7 @@ from ..faults import inject
 from ..models import build_model
 from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
+from ..snapshot.folder import ObjectiveChangeWarning
 from .build import RankSetup, build_rank
 from .cache import measured
 from .data import local_rows, rank_batch, tokens_per_sample
@@ -58,7 +60,10 @@ def run(ctx, cfg: RunConfig) -> dict:
     shape, fp32, after training) with ``cfg.return_state`` and ``"grads"`` (the first
     step's reduced gradients, the same form) with ``cfg.return_grads``.
     """
-    cfg.validate(ctx.world_size)
+    with warnings.catch_warnings():
+        # the caller was warned before launch; the run reports it in its snapshot metrics
+        warnings.simplefilter("ignore", ObjectiveChangeWarning)
+        cfg.validate(ctx.world_size)
     mg = ctx.mesh_groups(cfg.mesh)
     setup = build_rank(ctx, cfg, mg)
     executor = meter = None
