@@ -30,11 +30,13 @@ __all__ = ["ViT"]
 class ViT(nn.Module):
     """Image classifier for ``cfg.kind == "vit"``.
 
-    With ``P = (image_size / patch_size)²`` patches the encoder sees ``P + 1`` tokens.
+    With ``P = (image_size / patch_size)²`` patches the encoder sees ``P + 1`` tokens
+    (``P`` with ``cfg.pool = "mean"``).
 
     Attributes:
         patch_emb: Conv2d ``channels → d_model``, kernel = stride = ``patch_size``.
-        cls_token: ``(1, 1, d_model)``; pos_emb: ``(1, P + 1, d_model)``.
+        cls_token: ``(1, 1, d_model)`` (``None`` with ``pool="mean"``); pos_emb:
+            ``(1, n_tokens, d_model)``, ``n_tokens`` = ``P + 1`` (``P`` mean-pooled).
         layers: ``nn.ModuleList`` of non-causal ``Block``; norm: final RMSNorm;
         head: Linear ``d_model → n_classes`` (with bias).
 

@@ -72,7 +72,7 @@ def check_vit_parallel(mc, tp: int, cp: int, sequence_parallel: bool, zigzag: bo
         raise ValueError(f"ViT: the {p} patch tokens ((image_size {mc.image_size} / patch_size "
                          f"{mc.patch_size})²) do not divide by {div} (cp={cp}"
                          f"{' ×2 for zigzag' if zigzag and cp > 1 else ''}"
-                         f"{f', × tp={tp} for sequence parallelism' if sequence_parallel else ''})")
+                         f"{f', × tp={tp} for SP' if sequence_parallel else ''})")
     if cp > 1:
         import dataclasses
 
@@ -119,7 +119,8 @@ class SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_seq(grad.contiguous(), ctx.group, {"site": "vit_split", "phase": "backward"}), None
+        tags = {"site": "vit_split", "phase": "backward"}
+        return gather_seq(grad.contiguous(), ctx.group, tags), None
 
 
 def _cp_loss(cp: int):
