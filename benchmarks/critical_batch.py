@@ -23,6 +23,7 @@ Prints a table and ``RESULT b_noise_measured <B>``, ``RESULT b_crit_fit <B>``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -49,9 +50,13 @@ def sweep(cluster, model: str, batches: list, target: float, lr: float, max_step
         r = cluster.run(lk.jobs.train, cfg)
         s = steps_to_target(r.losses, target)
         ns = r.metrics[0]["noise_scale"]["b_simple"]
-        upto = ns[:s] if s else ns
-        rows.append({"B": b, "steps": s, "b_simple": statistics.median(upto),
+        # the smoothed estimate is undefined (nan) until its averages have a value
+        upto = [x for x in (ns[:s] if s else ns) if math.isfinite(x)]
+        rows.append({"B": b, "steps": s,
+                     "b_simple": statistics.median(upto) if upto else math.nan,
                      "final": smoothed(r.losses)[-1], "seconds": time.perf_counter() - t0})
+        print(f"  ran B={b}: steps to target {s}, median B_simple {rows[-1]['b_simple']:.1f}, "
+              f"{rows[-1]['seconds']:.0f} s", flush=True)
     return rows
 
 
@@ -77,13 +82,14 @@ def main(argv=None) -> int:
     hit = [r for r in rows if r["steps"]]
     print(f"{args.model}, dp=2, lr={args.lr}, target smoothed loss {args.target} nats, "
           f"at most {args.max_steps} steps")
-    b_noise = statistics.median(r["b_simple"] for r in rows)
+    finite = [r["b_simple"] for r in rows if math.isfinite(r["b_simple"])]
+    b_noise = statistics.median(finite) if finite else math.nan
     s_min = s_min_given_noise([r["B"] for r in hit], [r["steps"] for r in hit], b_noise) \
-        if hit else float("nan")
+        if hit and finite else math.nan
     print(f"{'B':>4} {'steps':>6} {'S_min(1+B_noise/B)':>19} {'B_simple':>9} "
           f"{'final loss':>10} {'s':>6}")
     for r in rows:
-        pred = predicted_steps(r["B"], s_min, b_noise) if hit else float("nan")
+        pred = predicted_steps(r["B"], s_min, b_noise) if math.isfinite(s_min) else math.nan
         print(f"{r['B']:>4} {r['steps'] or '—':>6} {pred:>19.1f} {r['b_simple']:>9.1f} "
               f"{r['final']:>10.3f} {r['seconds']:>6.1f}")
     print(f"B_noise (median measured B_simple) = {b_noise:.1f}; S_min for it = {s_min:.1f}")
