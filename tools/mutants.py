@@ -350,7 +350,7 @@ MUTANTS = [
            "        x = self.patch_emb(images).flatten(2).transpose(1, 2)   # (B, P, H)",
            "the ViT's residual stream stays a transposed view: each matmul saves its own copy",
            (f"{VIT}::test_planned_vit_activations_equal_the_measured_bytes",)),
-    Mutant("tp_bf16_residual_counted_bf16", "labkit/train/metrics.py",
+    Mutant("tp_bf16_residual_counted_bf16", "labkit/train/comm_predict.py",
            "    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs",
            "    res = act",
            "tp bytes under bf16 autocast counted all-bf16 (the residual side moves fp32)",
