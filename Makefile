@@ -32,10 +32,10 @@ NBVAL    ?= --nbval-lax
 # Jupyter refuses to start as root unless told so (CI runs as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help .venv venv lab test chromium bench sweep mutants clean distclean
+.PHONY: help .venv venv lab test chromium bench sweep critical-batch mutants clean distclean
 
 help:
-	@echo "make lab | test | bench | sweep | mutants | clean | distclean | .venv"
+	@echo "make lab | test | bench | sweep | critical-batch | mutants | clean | distclean | .venv"
 	@echo "  make lab PORT=8890   JupyterLab on http://127.0.0.1:8890 (default PORT=8888); a port"
 	@echo "                       in use makes Jupyter take the next free one (8889, ...): open"
 	@echo "                       the URL it prints; JUPYTER_PORT_RETRIES=0 make lab fails instead"
@@ -143,6 +143,12 @@ N    ?= 40
 SEED ?= 0
 sweep: $(STAMP)
 	$(VPY) benchmarks/matrix_sweep.py --n $(N) --seed $(SEED)
+
+# ---------------------------------------------------------------- critical batch
+# Not in CI (minutes): steps to a target loss at several global batches beside
+# McCandlish et al.'s S/S_min = 1 + B_noise/B, with B_noise measured (claim C40).
+critical-batch: $(STAMP)
+	$(VPY) benchmarks/critical_batch.py $(CB_ARGS)
 
 # ---------------------------------------------------------------- mutants
 MUTANTS_ARGS ?=

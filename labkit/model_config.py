@@ -30,6 +30,10 @@ class ModelConfig:
         rope_theta: rotary base (Su et al. 2021, RoFormer §3.4).
         kind: ``"gpt"`` or ``"vit"``.
         image_size, patch_size, n_classes, channels: ViT only.
+        pool: ViT only: ``"cls"`` classifies the class token (Dosovitskiy et al. 2021 §3.1);
+            ``"mean"`` the mean of the normalised patch tokens, with no class token
+            (global average pooling, their Appendix D.3), so the sequence is the ``P``
+            patches alone and splits over context-parallel ranks.
         n_experts: mixture-of-experts: each block's MLP becomes ``n_experts`` SwiGLU experts
             of hidden size ``ffn_dim`` and a router (Shazeer et al. 2017; Fedus et al. 2022,
             Switch Transformer); ``0`` keeps the dense MLP.
@@ -58,6 +62,7 @@ class ModelConfig:
     patch_size: int = 2
     n_classes: int = 10
     channels: int = 1
+    pool: str = "cls"
     name: str = "custom"
     n_experts: int = 0
     top_k: int = 1
@@ -97,6 +102,8 @@ class ModelConfig:
         if self.kind == "vit" and self.image_size % self.patch_size:
             raise ValueError(f"ModelConfig.image_size={self.image_size} does not divide by "
                              f"patch_size={self.patch_size}")
+        if self.pool not in ("cls", "mean"):
+            raise ValueError(f"ModelConfig.pool must be 'cls' or 'mean', got {self.pool!r}")
         n, k, cf, w = self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"ModelConfig.n_experts must be an int >= 0 (0 = dense MLP), "

@@ -205,9 +205,11 @@ def _model(cfg, mc) -> None:
         raise ValueError(f"dataset='text' is byte-level (token ids 0-255) but vocab_size="
                          f"{mc.vocab_size}: the embedding would be indexed past its end; use "
                          "vocab_size >= 256")
-    if mc.kind == "vit" and (p.pp, p.tp, p.cp, p.ep) != (1, 1, 1, 1):
-        raise ValueError(f"the ViT trains with data parallelism only; got pp={p.pp}, "
-                         f"tp={p.tp}, cp={p.cp}, ep={p.ep}")
+    if mc.kind == "vit":
+        from .parallel.vision import check_vit_parallel
+
+        check_vit_parallel(mc, p.tp, p.cp, cfg.sequence_parallel, cfg.cp_zigzag, p.pp, p.ep,
+                           cfg.cp_method)
     if cfg.checkpoint == "every":
         from .parallel.pipeline.split import stage_layer_counts
 
@@ -217,12 +219,12 @@ def _model(cfg, mc) -> None:
             raise ValueError(f"checkpoint_every={cfg.checkpoint_every} must satisfy 1 <= C <= "
                              f"the {min(counts)} blocks of a stage (the smallest of {counts}; "
                              f"n_layers={mc.n_layers}, {cfg.n_stages} stage(s))")
-    if p.tp > 1:
+    if p.tp > 1 and mc.kind == "gpt":
         from .parallel.tensor.check import check_tensor_parallel
 
         # with context parallelism the residual stream holds S/cp tokens of each sequence
         check_tensor_parallel(mc, p.tp, cfg.sequence_parallel, seq_len=mc.seq_len // p.cp)
-    if p.cp > 1:
+    if p.cp > 1 and mc.kind == "gpt":
         from .parallel.context.core import check_context_parallel
 
         check_context_parallel(mc, p.cp, cfg.cp_method, cfg.cp_zigzag, mc.seq_len, tp=p.tp)

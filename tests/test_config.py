@@ -59,7 +59,7 @@ def _bad(match, world=4, **kw):
     (dict(bucket_mb=float("nan")), "bucket_mb must be a finite number"),
     (dict(model="gpt5"), "unknown model preset 'gpt5'.*tiny"),
     (dict(model="llama3-405b"), "planning and counting only"),
-    (dict(model="vit-digits", dataset="digits", pp=2), "the ViT trains with data parallelism"),
+    (dict(model="vit-digits", dataset="digits", pp=2), "pipeline and expert parallelism are not built"),
     # context parallelism
     (dict(cp=2, cp_method="ulysses", model=ModelConfig(n_heads=2, n_kv_heads=1)),
      r"Ulysses: .*heads per tensor-parallel rank"),

@@ -80,3 +80,19 @@ def test_the_cluster_outlives_the_notebook(cells):
     source = "\n".join(c.source for c in cells)
     assert "lk.Cluster(4)" in source
     assert ".close()" not in source
+
+
+def test_c45_video_tokens_and_the_vit_activation_check_as_stored(cells):
+    """claim C45 as notebook 07 §9 stores it: 7,200 frames × 196 patches = 1,411,200 tokens,
+    the planned per-rank bytes halving with every doubling of cp, and the ViT's measured
+    bytes per layer equal to the planner's on every rank, cp 1, 2 and 4, with parity."""
+    out = _checked_output(cells, "video_tokens(")
+    assert "C45: 7,200 frames × 196 patches = 1,411,200 tokens" in out, out
+    gib = [float(m.group(2)) for m in re.finditer(r"^\s*(\d+)\s+[\d,]+\s+[\d.]+\s+([\d.]+)$",
+                                                   out, re.M)]
+    assert len(gib) == 7 and all(abs(a / b - 2) < 0.01 for a, b in zip(gib, gib[1:])), out
+    act = _checked_output(cells, "vit_act = {}")
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+\[(\d+)\]\s+(\d+)$", act, re.M)
+    assert [r[0] for r in rows] == ["1", "2", "4"], act
+    assert all(r[2] == r[3] for r in rows), act
+    assert "losses within 1e-5 of one process: True" in act, act

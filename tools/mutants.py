@@ -44,6 +44,7 @@ TP = "tests/test_tensor_parallel.py"
 TRAIN = "tests/test_train.py"
 CTX = "tests/test_context.py"
 EXP = "tests/test_expert.py"
+VIT = "tests/test_vit_parallel.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ TP / SP
@@ -323,6 +324,32 @@ MUTANTS = [
            "the layout-invariance rule counts state ZeRO does not shard on every data rank "
            "(replicas counted more than once): the layouts must then disagree",
            ("tests/test_matrix.py -k layout_invariance_of_total_model_state",)),
+    # ------------------------------------------------------------------ ViT tp/sp/cp (C45)
+    Mutant("vit_cp_pool_backward_identity", "labkit/parallel/vision.py",
+           '        comm.all_reduce(out, group=ctx.group, axis="cp", site="vit_pool", phase="backward")',
+           "        pass",
+           "the ViT's pooled token sum passes its gradient through instead of summing it over cp",
+           (f"{VIT}::test_vit_layouts_match_the_oracle_on_every_rank",)),
+    Mutant("vit_cp_loss_not_shared", "labkit/parallel/vision.py",
+           "        return F.cross_entropy(logits.float(), targets, reduction=reduction) / cp",
+           "        return F.cross_entropy(logits.float(), targets, reduction=reduction)",
+           "every cp rank takes the whole per-image loss: gradients cp times too large",
+           (f"{VIT}::test_vit_layouts_match_the_oracle_on_every_rank",)),
+    Mutant("vit_cp_causal_mask", "labkit/parallel/vision.py",
+           "        core = make_attention_core(cp_method, cp_group, causal=False, zigzag=zigzag,",
+           "        core = make_attention_core(cp_method, cp_group, causal=True, zigzag=zigzag,",
+           "the ViT's context-parallel attention masks the future (a decoder's mask on an encoder)",
+           (f"{VIT}::test_vit_layouts_match_the_oracle_on_every_rank",)),
+    Mutant("vit_sp_pool_not_reduced", "labkit/parallel/vision.py",
+           '                s = reduce_from_tp(s, tp_group, site="vit_pool")',
+           "                s = s",
+           "with sequence parallelism each tp rank pools only its own S/T tokens",
+           (f"{VIT}::test_vit_layouts_match_the_oracle_on_every_rank",)),
+    Mutant("vit_patch_tokens_strided", "labkit/models/vit.py",
+           "        x = self.patch_emb(images).flatten(2).transpose(1, 2).contiguous()   # (B, P, H)",
+           "        x = self.patch_emb(images).flatten(2).transpose(1, 2)   # (B, P, H)",
+           "the ViT's residual stream stays a transposed view: each matmul saves its own copy",
+           (f"{VIT}::test_planned_vit_activations_equal_the_measured_bytes",)),
     Mutant("tp_bf16_residual_counted_bf16", "labkit/train/comm_predict.py",
            "    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs",
            "    res = act",

@@ -400,7 +400,8 @@ def count_params(cfg: ModelConfig, include_embeddings: bool = True) -> int:
     body = cfg.n_layers * block + h                              # + final norm
     if cfg.kind == "vit":
         n_patches = (cfg.image_size // cfg.patch_size) ** 2
-        embed = cfg.channels * cfg.patch_size ** 2 * h + h + h + (n_patches + 1) * h
+        cls = cfg.pool == "cls"  # a class token, and its position (none when mean-pooled)
+        embed = cfg.channels * cfg.patch_size ** 2 * h + h + cls * h + (n_patches + cls) * h
         return body + h * cfg.n_classes + cfg.n_classes + (embed if include_embeddings else 0)
     embed = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
     return body + (embed if include_embeddings else 0)

@@ -202,8 +202,9 @@ def _cp_metrics(ctx, setup: RankSetup, step: int, n_steps: int) -> dict:
     work = setup.cp_core.counter.to_dict()
     per_step = {ph: n // n_steps for ph, n in work["pairs"].items()}
     layers = sum(len(m.layers) for m in setup.stages.values())
-    one = work_closed_form(cfg.cp_method, mg.index("cp"), p.cp, mc.seq_len, cfg.cp_zigzag,
-                           True, cfg.micro, mc.n_heads // p.tp)
+    core = setup.cp_core  # a ViT's sequence is its patches, attended without a mask
+    one = work_closed_form(cfg.cp_method, mg.index("cp"), p.cp, core.seq_len, cfg.cp_zigzag,
+                           core.causal, cfg.micro, mc.n_heads // p.tp)
     return {"work": per_step, "work_formula": one * layers * cfg.accum_steps,
             "kv_working_set": work["kv_bytes"],
             "ring_overlap": ring_overlap(ctx.tracer.events, ctx.rank)

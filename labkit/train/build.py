@@ -137,6 +137,14 @@ def _compose_stages(ctx, cfg, mg: MeshGroups) -> RankSetup:
         setup.reused.append("model")
     if mc.kind == "vit":
         setup.stages = {0: model}
+        if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:  # labkit.parallel.vision
+            from ..parallel.vision import apply_vit_parallel
+
+            setup.tp_info, setup.cp_core = apply_vit_parallel(
+                model, tp_group=mg.group("tp") if cfg.parallel.tp > 1 else None,
+                cp_group=mg.group("cp") if cfg.parallel.cp > 1 else None,
+                sequence_parallel=cfg.sequence_parallel, cp_method=cfg.cp_method,
+                zigzag=cfg.cp_zigzag)
     else:
         _split_pipeline(setup, model)
         _tensor_parallel(setup)

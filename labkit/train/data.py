@@ -33,7 +33,7 @@ def rank_batch(cfg, step: int, dp_index: int, device, cp_index: int = 0) -> tupl
         x, y = make_batch(cfg, step)
         dp, cp = cfg.parallel.dp, cfg.parallel.cp
         x, y = local_rows(x, dp_index, dp), local_rows(y, dp_index, dp)
-        if cp > 1:
+        if cp > 1 and cfg.model_config.kind == "gpt":  # a ViT cuts its own patch tokens
             from ..parallel.context import shard_sequence
 
             x = shard_sequence(x, cp_index, cp, cfg.cp_zigzag, dim=1)

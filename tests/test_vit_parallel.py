@@ -1,0 +1,125 @@
+"""The ViT through the one training job with data, tensor (+ sequence) and context
+parallelism, against the independent ViT of tests/oracle/vit.py (claim C45).
+
+One warm 4-rank pool runs every layout; each rank's losses, first-step gradients (before
+AdamW) and final parameters must equal the oracle's to fp32 tolerance. Pure checks: the
+refusals before launch, and the video token count of labkit.plan.video.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from oracle.vit import vit_reference_run
+
+from labkit import jobs
+from labkit.config import RunConfig, preset
+
+TOL = 1e-5
+MEAN = dataclasses.replace(preset("vit-digits"), pool="mean", name="vit-digits-mean")
+BASE = RunConfig(model=MEAN, dataset="digits", steps=2, global_batch=8, return_state=True,
+                 return_grads=True, measure_memory=False, count_flops=False, timeout_s=240,
+                 adam_eps=1e-6)
+# claim C45: ring attention without the causal mask, tp with sequence parallelism, and both
+LAYOUTS = {
+    "dp2": dict(dp=2),
+    "tp2-cls": dict(tp=2, model=preset("vit-digits")),
+    "cp2-ring": dict(cp=2, cp_zigzag=False),
+    "dp2-tp2": dict(dp=2, tp=2),
+    "tp2-cp2-sp-ring": dict(tp=2, cp=2, sequence_parallel=True, cp_zigzag=False),
+    "cp4-ulysses": dict(cp=4, cp_method="ulysses"),
+}
+_ORACLE: dict = {}
+
+
+def _oracle(cfg) -> dict:
+    key = cfg.model_config
+    if key not in _ORACLE:
+        _ORACLE[key] = vit_reference_run(cfg)
+    return _ORACLE[key]
+
+
+def test_vit_layouts_match_the_oracle_on_every_rank(cluster4):
+    """claim C45: every layout's losses, first-step gradients and final state, on every rank."""
+    bad = []
+    for name, kw in LAYOUTS.items():
+        cfg = BASE.replace(**kw)
+        ref = _oracle(cfg)
+        r = cluster4.run(jobs.train, cfg)
+        for rank, o in enumerate(r.outputs):
+            worst = max(abs(a - b) for a, b in zip(o["losses"], ref["losses"]))
+            if len(o["losses"]) != cfg.steps or worst > TOL:
+                bad.append(f"{name} rank {rank}: losses {o['losses']} vs {ref['losses']}")
+            for key in ("grads", "state"):
+                if set(o[key]) != set(ref[key]):
+                    bad.append(f"{name} rank {rank}: {key} names differ: "
+                               f"{sorted(set(o[key]) ^ set(ref[key]))}")
+                    continue
+                for n, t in o[key].items():
+                    d = (t - ref[key][n]).abs().max().item()
+                    if t.shape != ref[key][n].shape or d > TOL:
+                        bad.append(f"{name} rank {rank}: {key} {n} differs by {d:.2e}")
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(pp=2), "pipeline"),
+    (dict(ep=2, dp=2), "expert"),
+    (dict(cp=2, model=preset("vit-digits")), "pool='cls' adds a class token"),
+    (dict(tp=2, sequence_parallel=True, model=preset("vit-digits")), "pool='mean'"),
+    (dict(cp=2, model=dataclasses.replace(MEAN, image_size=6)), "9 patch tokens"),
+    (dict(tp=3), "tp=3"),
+    (dict(cp=4, cp_method="ulysses", model=dataclasses.replace(MEAN, n_heads=2)), "Ulysses"),
+])
+def test_vit_layouts_refused_before_launch(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        BASE.replace(**kw).validate()
+
+
+def test_video_tokens_match_the_lecture():
+    """claim C45: 5 minutes at 24 fps, 224² frames in 16² patches = 7200 × 196 tokens."""
+    from labkit.plan.video import video_tokens
+
+    v = video_tokens(seconds=300, fps=24, image_size=224, patch_size=16)
+    assert (v.frames, v.patches_per_frame, v.tokens) == (7200, 196, 1_411_200)
+    assert round(v.tokens / 1e6, 2) == 1.41
+    # a tubelet of 2 frames (ViViT) halves it; a class token per clip adds one
+    assert video_tokens(300, 24, 224, 16, tubelet=2).tokens == 705_600
+    assert video_tokens(300, 24, 224, 16, cls_token=True).tokens == 1_411_201
+    with pytest.raises(ValueError, match="patch_size=15"):
+        video_tokens(300, 24, 224, 15)
+
+
+ACT = {  # (degrees, precision, zero): fp32; bf16 autocast (fp32 stream); bf16 weights (ZeRO)
+    "dp4": (dict(dp=4), "fp32", 0),
+    "cp2-dp2": (dict(cp=2, dp=2), "fp32", 0),
+    "tp2-cp2-sp": (dict(tp=2, cp=2, sequence_parallel=True), "fp32", 0),
+    "cp4-bf16": (dict(cp=4), "bf16", 0),
+    "cp2-dp2-bf16-zero1": (dict(cp=2, dp=2), "bf16", 1),
+}
+
+
+def test_planned_vit_activations_equal_the_measured_bytes(cluster4):
+    """claim C45: the planner's per-rank activation bytes of the ViT's blocks
+    (labkit.plan.video.vit_activation_bytes, the count the video-length plan uses) equal
+    what the job's ViT blocks save for backward on every rank, by part, to the byte."""
+    from labkit.measure.vit_activations import job_vit_layer_activations
+    from labkit.plan.video import vit_activation_bytes
+
+    bad = []
+    for name, (deg, precision, zero) in ACT.items():
+        cfg = BASE.replace(**deg, precision=precision, zero_stage=zero, micro_batch=2,
+                           steps=1, return_state=False, return_grads=False)
+        e, r = (4, 4) if precision == "fp32" else ((2, 2) if zero else (2, 4))
+        want = vit_activation_bytes(MEAN, 16, cfg.parallel.cp, cfg.parallel.tp,
+                                    sequence_parallel=cfg.sequence_parallel, batch=2,
+                                    bytes_per_elem=e, resid_bytes=r)
+        for o in cluster4.run(job_vit_layer_activations, cfg).outputs:
+            assert o["tokens_per_rank"] == want["tokens_per_rank"]
+            for i, parts in o["layers"].items():
+                if parts != want["per_layer"]:
+                    bad.append(f"{name} rank {o['rank']} layer {i}: {parts} != "
+                               f"{want['per_layer']}")
+    assert not bad, "\n".join(bad)
