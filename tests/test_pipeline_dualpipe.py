@@ -59,6 +59,26 @@ def test_v_layout_split_backward_and_fewer_microbatches_refused():
         build("dualpipe-v", 4, 8, 3)
 
 
+@pytest.mark.parametrize("changes,match", [
+    (dict(microbatches=2), r"dualpipe-v needs microbatches >= 2 x pp = 4 .*got microbatches=2 "
+                           r"with pp=2"),
+    (dict(virtual_stages=3), r"schedule 'dualpipe-v' runs 2 stage\(s\) per rank, got "
+                             r"virtual_stages=3"),
+    (dict(impl="torch", measure_memory=True),
+     r"schedule='dualpipe-v' and measure_memory=True: under torch's MemTracker "
+     r"\(the memory-tracked step\) ScheduleDualPipeV's input-gradient pass"),
+    (dict(dp=2, zero_stage=1), r"schedule='dualpipe-v' with zero_stage=1"),
+])
+def test_refused_before_launch(changes, match):
+    """``validate`` (what every launch runs first) names the field and the numbers."""
+    from labkit.config import RunConfig
+    from labkit.parallel.pipeline import PP_TINY
+
+    cfg = RunConfig(model=PP_TINY, global_batch=8, schedule="dualpipe-v", microbatches=4)
+    with pytest.raises(ValueError, match=match):
+        cfg.replace(pp=2).replace(**changes).validate(4)
+
+
 def test_simulated_beside_zb_v():
     """Unit costs (F = B = W = 1, a full backward 2): DualPipeV's bubble is at most ZB-V's
     (5.9 % against 7.7 % idle/total at P=4, M=8; equal at P=2 and P=8), for one more
