@@ -78,7 +78,7 @@ class RunConfig:
             flat unit has one gradient for all its parameters, so AdamW's decay still moves
             a parameter no rank used.
         schedule: pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
-            ``zb-v``) when ``pp > 1``.
+            ``zb-v``, ``dualpipe-v``) when ``pp > 1``.
         microbatches: microbatches per pipeline flush (``pp > 1``); ``None`` runs all of a
             step's microbatches in one flush, else the step runs several flushes.
         virtual_stages: stages per pipeline rank ``V`` (``None``: what the schedule needs).

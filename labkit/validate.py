@@ -260,13 +260,17 @@ def _pipeline(cfg, mc) -> None:
         _torch_schedule_rules(cfg)
 
 
+TORCH_SCHEDULE_CLASS = {"zb-v": "ZBVZeroBubble", "dualpipe-v": "ScheduleDualPipeV"}
+
+
 def _torch_schedule_rules(cfg) -> None:
     """PyTorch's ``torch.distributed.pipelining`` schedules check these on the ranks; labkit
     checks them before launch (torch 2.13, ``schedules.py``)."""
     p, m = cfg.parallel.pp, cfg.flush_microbatches
-    if cfg.schedule not in ("gpipe", "1f1b", "interleaved", "zb-v"):
-        raise ValueError(f"impl='torch' runs gpipe, 1f1b, interleaved (Interleaved1F1B) or "
-                         f"zb-v (ZBVZeroBubble), got schedule={cfg.schedule!r}")
+    if cfg.schedule not in ("gpipe", "1f1b", "interleaved", "zb-v", "dualpipe-v"):
+        raise ValueError(f"impl='torch' runs gpipe, 1f1b, interleaved (Interleaved1F1B), "
+                         f"zb-v (ZBVZeroBubble) or dualpipe-v (DualPipeV), got "
+                         f"schedule={cfg.schedule!r}")
     if cfg.schedule == "1f1b" and m < p:
         raise ValueError(f"PyTorch's Schedule1F1B needs microbatches >= pp: microbatches={m} "
                          f"< pp={p}")
@@ -280,10 +284,11 @@ def _torch_schedule_rules(cfg) -> None:
                          "places the embedding and the head on rank 0, and PyTorch's "
                          "ZBVZeroBubble gets that shared weight's gradient wrong; untie the "
                          "model (ModelConfig(tie_embeddings=False)) or use impl='labkit'")
-    if cfg.schedule == "zb-v" and cfg.measure_memory:
+    if cfg.schedule in ("zb-v", "dualpipe-v") and cfg.measure_memory:
         # found by the composition matrix (tests/oracle): every rank raised
-        raise ValueError("impl='torch' with schedule='zb-v' and measure_memory=True: under "
-                         "torch's MemTracker (the memory-tracked step) ZBVZeroBubble's "
+        cls = TORCH_SCHEDULE_CLASS[cfg.schedule]
+        raise ValueError(f"impl='torch' with schedule={cfg.schedule!r} and measure_memory=True: "
+                         f"under torch's MemTracker (the memory-tracked step) {cls}'s "
                          "input-gradient pass (autograd.grad on a stage input) fails on every "
                          "rank; set measure_memory=False or use impl='labkit'")
     if cfg.flushes != 1:
@@ -342,7 +347,7 @@ def _composition(cfg, mc) -> None:
     _noise_scale(cfg, mc)
     _refuse_unless(cfg, cfg.checkpoint == "every", ("checkpoint_every",),
                    f"it sets the segment length of checkpoint='every' (got {cfg.checkpoint!r})")
-    if p.pp > 1 and z >= 1 and cfg.schedule in ("zb-h1", "zb-v"):
+    if p.pp > 1 and z >= 1 and cfg.schedule in ("zb-h1", "zb-v", "dualpipe-v"):
         raise ValueError(f"schedule={cfg.schedule!r} with zero_stage={z}: the zero-bubble W "
                          "pass writes weight gradients outside autograd, but ZeRO's flat units "
                          "collect them through autograd; use zero_stage=0 or another schedule")

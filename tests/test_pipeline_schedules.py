@@ -18,6 +18,11 @@ from labkit.parallel.pipeline.simulate import ScheduleError, simulate
 UNIT = {"F": 1, "B": 1, "W": 1}
 
 
+def _m(name: str, p: int, m: int) -> int:
+    """``m``, or the fewest microbatches the schedule runs (DualPipeV: one per stage)."""
+    return max(m, 2 * p) if name == "dualpipe-v" else m
+
+
 def _f_before_first_backward(acts):
     return next(k for k, a in enumerate(acts) if a.kind != "F")
 
@@ -114,7 +119,7 @@ def test_action_string_form_round_trips():
 
 def test_with_comms_pairs_every_send_with_a_recv():
     for name in SCHEDULES:
-        s = with_comms(build(name, 4, 4))
+        s = with_comms(build(name, 4, _m(name, 4, 4)))
         sends = {(a.kind[-1], a.stage, a.microbatch) for acts in s.actions for a in acts
                  if a.kind.startswith("SEND")}
         recvs = {(a.kind[-1], a.stage - 1 if a.kind == "RECV_F" else a.stage + 1, a.microbatch)
@@ -182,7 +187,7 @@ def test_overheads_and_explained_bubble_round_trip_a_simulated_trace(name, p, m)
     from labkit.parallel.pipeline.bubble import measure_bubble, overheads
     from labkit.trace import Event
 
-    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    sched = build(name, p, _m(name, p, m), 2 if name == "interleaved" else None)
     costs = {"F": [1.0 + 0.1 * s for s in range(sched.n_stages)], "B": 2.0, "W": 1.0}
     if not sched.split_backward:
         costs = {"F": costs["F"], "BW": 3.0, "B": 2.0, "W": 1.0}
@@ -294,9 +299,10 @@ def test_machine_terms_round_trip_a_simulated_trace(name, p, m, cores):
     read back and the ``shared`` diagnostic reproduces that trace's flush time."""
     from labkit.parallel.pipeline.bubble import bubble_bands, measure_bubble
 
-    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    sched = build(name, p, _m(name, p, m), 2 if name == "interleaved" else None)
     f = [1.0 + 0.1 * s for s in range(sched.n_stages)]
-    costs = {"F": f, "B": 2.0, "W": 1.0} if sched.split_backward else {"F": f, "BW": 3.0}
+    # DualPipeV mixes full and split backwards
+    costs = {"F": f, "B": 2.0, "W": 1.0, "BW": 3.0} if sched.split_backward else {"F": f, "BW": 3.0}
     work = lambda a: f[a.stage] if a.kind == "F" else costs[a.kind]  # noqa: E731
     c, d = 0.05, 0.02
     sim = simulate(sched, costs, comm=c, dispatch=d)
@@ -365,7 +371,7 @@ def test_early_receives_are_posted_before_the_producer_starts(name, p, m):
     """``with_comms(early=True)``: in the unit-cost timeline every receive is posted no
     later than its producer starts (so it waits for the sender, never the reverse), still
     at least ``prefetch`` computes before the one that needs it."""
-    sched = build(name, p, m, 2 if name == "interleaved" else None)
+    sched = build(name, p, _m(name, p, m), 2 if name == "interleaved" else None)
     for prefetch in (0, 2):
         for post, p_start, _, slot, use in _posts(with_comms(sched, prefetch, early=True), sched):
             assert post <= p_start + 1e-9

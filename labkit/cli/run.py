@@ -90,8 +90,8 @@ FLAGS: tuple = (
     Flag("--find-unused", "find_unused", None, "ZeRO 0: all-reduce zeros for parameters "
          "without a gradient instead of failing", _DP, const=True),
     Flag("--pp", "parallel.pp", int, "pipeline ranks (default 1)", _PP, metavar="P"),
-    Flag("--schedule", "schedule", str, "gpipe, 1f1b, interleaved, zb-h1, zb-v "
-         "(default 1f1b)", _PP, metavar="NAME"),
+    Flag("--schedule", "schedule", str, "gpipe, 1f1b, interleaved, zb-h1, zb-v, "
+         "dualpipe-v (default 1f1b)", _PP, metavar="NAME"),
     Flag("--microbatches", "microbatches", int, "microbatches per pipeline flush (default: "
          "all of a step's in one flush)", _PP, metavar="M"),
     Flag("--virtual-stages", "virtual_stages", int, "stages per pipeline rank V (default: "

@@ -13,7 +13,8 @@ __all__ = ["make_executor", "meter_untracked_steps", "TorchPipeline", "p2p_laten
 
 #: labkit's schedule names → torch.distributed.pipelining's classes
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble"}
+                   "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble",
+                   "dualpipe-v": "ScheduleDualPipeV"}
 
 
 def boundary_shape(cfg) -> tuple:

@@ -95,7 +95,8 @@ def _reasons(setup, bf16_units: bool) -> list:
         out.append(f"PyTorch's FSDP2 keeps the root module's {root} parameters (embedding, "
                    f"final norm, head) unsharded from forward to backward; the planner counts "
                    f"every parameter sharded.")
-    if cfg.parallel.pp > 1 and cfg.schedule == "zb-v":
-        out.append("ZB-V's V places the last stage (with the head) on pipeline rank 0; the "
+    if cfg.parallel.pp > 1 and cfg.schedule in ("zb-v", "dualpipe-v"):
+        name = {"zb-v": "ZB-V", "dualpipe-v": "DualPipeV"}[cfg.schedule]
+        out.append(f"{name}'s V places the last stage (with the head) on pipeline rank 0; the "
                    "planner puts the head on the last pipeline rank.")
     return out

@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, a pure simulator, and an executor.
 
-* :mod:`.actions`, :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V as
-  per-rank action lists (``1F0``, ``2B3``, ``0W1``);
+* :mod:`.actions`, :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and
+  DualPipeV as per-rank action lists (``1F0``, ``2B3``, ``0W1``);
 * :mod:`.simulate` — costs → makespan, idle, bubble (both definitions), in-flight
   activations; names a deadlock or a bad order;
 * :mod:`.stage`, :mod:`.executor` — the real GPT cut into stages, run by any schedule with

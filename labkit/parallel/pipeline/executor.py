@@ -8,7 +8,8 @@ and the messages posted right after it. Per step:
   the last stage the loss scaled by ``loss_scale``); ``BW`` ``torch.autograd.backward`` from
   the stage output with the received gradient; ``B`` the same pass with
   :class:`~.stage.SplitLinear` layers, which leaves the weight gradients in the
-  :class:`~.stage.WeightGradStore`; ``W`` computes them;
+  :class:`~.stage.WeightGradStore`; ``W`` computes them (a ``BW`` on split layers, as
+  DualPipeV mixes them, computes them at once);
 * then, as one batch, post the step's sends (``labkit.comm.isend``: the next rank is
   waiting for them, so they go first) and the receives of later steps
   (``labkit.comm.irecv``). Receives are posted as early as the schedule allows
@@ -196,6 +197,10 @@ class PipelineExecutor:
                 if self.store is not None:
                     self.store.key = (s, i)
                 torch.autograd.backward(outputs.pop((s, i)), grad)
+                if kind == "BW" and self.store is not None:
+                    # a schedule that mixes full and split backwards (DualPipeV): the split
+                    # linears deferred dW to the store; a full backward computes it now
+                    self.store.flush((s, i))
             if tracer is not None:
                 if self._sync is not None:
                     self._sync()

@@ -14,7 +14,9 @@ Action kinds: ``F`` forward; ``BW`` full backward (input and weight gradients in
 
 Sources: GPipe — Huang et al. 2019; 1F1B — Narayanan et al. 2019 (PipeDream-Flush) and
 Narayanan et al. 2021 (Megatron-LM) §2.2.1; interleaved 1F1B — Narayanan et al. 2021
-§2.2.2; ZB-H1 and ZB-V — Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3 and §6.
+§2.2.2; ZB-H1 and ZB-V — Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3 and §6;
+DualPipeV — DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" §3.2.1 (DualPipe), in the V
+form of deepseek-ai/DualPipe and ``torch.distributed.pipelining.ScheduleDualPipeV``.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Callable, Optional
 from .actions import COMM_KINDS, COMPUTE_KINDS, Action, Schedule
 
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_v",
-           "build", "SCHEDULES", "STAGES_PER_RANK", "with_comms", "COMPUTE_KINDS", "COMM_KINDS"]
+           "dualpipe_v", "build", "SCHEDULES", "STAGES_PER_RANK", "with_comms", "COMPUTE_KINDS", "COMM_KINDS"]
 
 
 def _check(p: int, m: int, v: int = 1) -> None:
@@ -199,6 +201,94 @@ def zb_v(p: int, m: int) -> Schedule:
     return Schedule(s.name, p, m, 2, "v", s.actions, warmup=_warmup_of(s.actions))
 
 
+def dualpipe_v(p: int, m: int) -> Schedule:
+    r"""DualPipeV (DeepSeek-V3 report §3.2.1, Fig. 5, folded into a V): rank ``r`` holds
+    stages ``r`` (the way down, "chunk 0") and ``2P−1−r`` (the way back, "chunk 1"), as in
+    ZB-V. Microbatches enter from rank 0 only (the V form of DualPipe's two directions), in
+    eight phases per rank, each a fixed pattern repeated a number of times that depends on
+    ``r``:
+
+    1. ``2(P−1−r)`` forwards of chunk 0; 2. ``r+1`` pairs ``F0 F1``;
+    3. ``P−1−r`` times ``B1 W F1`` (split backward: the ``W`` fills the gap);
+    4. the steady state, ``M−2P+r+1`` times ``F0 BW1 F1 BW0``: each ``F`` is paired with a
+       full backward of the other chunk (DualPipe overlaps the pair's compute with the
+       other's communication; PyTorch's runtime and labkit's executor run the two in turn);
+    5. ``P−1−r`` times ``BW1 F1 BW0``; 6. ``r+1`` pairs of backwards ``1, 0``, split into
+       ``B`` from the middle pair on; 7. ``P−1−r`` times ``W B0``; 8. the last ``r+1``
+       ``W``\s, oldest first.
+
+    Full backwards in the steady state, split ones in the ramps: the ``W``\s move only where
+    they fill a bubble. The per-rank order is the one ``ScheduleDualPipeV`` runs (torch 2.13,
+    ``_calculate_single_rank_operations``, with each overlapped pair as its two actions),
+    written here from that description.
+
+    Raises:
+        ValueError: ``M < 2P`` (DualPipe's ``num_chunks >= num_ranks * 2``; PyTorch refuses
+            fewer microbatches than stages): the steady state would run a negative number
+            of times.
+    """
+    _check(p, m)
+    if m < 2 * p:
+        raise ValueError(f"dualpipe-v needs microbatches >= 2 x pp = {2 * p} (one per stage: "
+                         f"DualPipe's and PyTorch's ScheduleDualPipeV's limit), got "
+                         f"microbatches={m} with pp={p}")
+    out = []
+    for r in range(p):
+        s0, s1 = r, 2 * p - 1 - r
+        nf, nb = {s0: 0, s1: 0}, {s0: 0, s1: 0}
+        seq: list = []
+        wq: list = []  # pending W, oldest first
+
+        def f(s: int) -> None:
+            seq.append(Action(s, "F", nf[s]))
+            nf[s] += 1
+
+        def b(s: int, split: bool) -> None:
+            i = nb[s]
+            nb[s] += 1
+            seq.append(Action(s, "B" if split else "BW", i))
+            if split:
+                wq.append(Action(s, "W", i))
+
+        def w() -> None:
+            if wq:
+                seq.append(wq.pop(0))
+
+        for _ in range(2 * (p - 1 - r)):
+            f(s0)
+        for _ in range(r + 1):
+            f(s0)
+            f(s1)
+        for _ in range(p - 1 - r):
+            b(s1, True)
+            w()
+            f(s1)
+        for _ in range(m - 2 * p + r + 1):
+            f(s0)
+            b(s1, False)
+            f(s1)
+            b(s0, False)
+        for _ in range(p - 1 - r):
+            b(s1, False)
+            f(s1)
+            b(s0, False)
+        split, half = False, (r + 1) // 2
+        for i in range(r + 1):
+            split |= i == half and r % 2 == 1
+            b(s1, split)
+            split |= i == half and r % 2 == 0
+            b(s0, split)
+        for _ in range(p - 1 - r):
+            w()
+            b(s0, split)
+        for _ in range(r + 1):
+            w()
+        if wq:  # the phase counts balance; a change to them that does not is a bug
+            raise RuntimeError(f"dualpipe_v left {wq} unscheduled on rank {r}")
+        out.append(tuple(seq))
+    return Schedule("dualpipe-v", p, m, 2, "v", tuple(out), warmup=_warmup_of(out))
+
+
 def _warmup_of(actions) -> tuple:
     """Forwards before the first backward, less the one that opens the steady state (all of
     them when a rank runs every forward first)."""
@@ -217,9 +307,11 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "interleaved": lambda p, m, v=2: interleaved_1f1b(p, m, v),
     "zb-h1": lambda p, m, v=1: zb_h1(p, m),
     "zb-v": lambda p, m, v=2: zb_v(p, m),
+    "dualpipe-v": lambda p, m, v=2: dualpipe_v(p, m),
 }
 #: stages per rank each schedule requires (``None``: any ``V >= 2``)
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb-h1": 1, "zb-v": 2}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": None, "zb-h1": 1, "zb-v": 2,
+                   "dualpipe-v": 2}
 
 
 def build(name: str, p: int, m: int, v: Optional[int] = None) -> Schedule:
