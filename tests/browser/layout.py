@@ -23,8 +23,9 @@ outputs: ``{"cell", "output", "kind", "detail", "explorer"}`` where kind is
 * ``"overprinted labels"`` — two annotations drawn over each other;
 * ``"squashed plot"`` — a figure with axes whose plot area is under half its height (the
   margins, e.g. a title's default top margin in a short figure, take the rest);
-* ``"hidden markers"`` — every marker of a trace lies within 3 px of a marker of another
-  trace (two runs that agree drawn at the same x: the reader sees one);
+* ``"hidden markers"`` — every marker of a trace of two or more markers lies within 3 px of
+  a marker of another trace (two runs that agree drawn at the same x: the reader sees one;
+  a single marker drawn over another is a highlight, not counted);
 * ``"label under legend"`` — a tick label, axis title, title or annotation that the legend
   box covers;
 * ``"hidden scroll"`` — an element of an output that clips or scrolls its content
@@ -140,7 +141,7 @@ _JS_PROBLEMS = r"""(squeeze) => {
         const r = p.getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2];
       }).filter(([x, y]) => isFinite(x) && isFinite(y));
       return [d ? String(d.name) : '?', c];
-    }).filter(([, c]) => c.length);
+    }).filter(([, c]) => c.length > 1);   // one marker over another is a highlight ("now")
     pts.forEach(([nm, c], i) => {
       const other = pts.find(([, c2], j) => j !== i
           && c.every(([x, y]) => c2.some(([x2, y2]) => Math.hypot(x - x2, y - y2) < 3)));
