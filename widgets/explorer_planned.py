@@ -151,7 +151,7 @@ class PlannedPanel(StaticFigure, W.VBox):
                                 description="model", style=style,
                                 tooltip="the planned model: dense presets for a dense lab "
                                         "model, mixture-of-experts presets for tiny-moe",
-                                layout=W.Layout(width="190px"))
+                                layout=W.Layout(width="215px"))   # "qwen1.5-moe-a2.7b"
         self.cluster = W.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster",
                                   style=style, layout=W.Layout(width="200px"))
         self.gpus = W.Dropdown(options=_count_options(counts), value=gpus, description="GPUs",

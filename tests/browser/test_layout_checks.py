@@ -80,6 +80,28 @@ def _coinciding_markers(fixed: bool) -> go.Figure:
     return fig
 
 
+def _resume_figure() -> go.Figure:
+    """Notebook 11's resume plot as labkit_widgets draws it, from stand-in results: two
+    resumed runs whose losses agree (the gallery does not run that notebook's resumes)."""
+    from types import SimpleNamespace as NS
+
+    from labkit.config import RunConfig
+    from labkit_widgets.snapshot_view import resume_losses_figure
+
+    losses = [5.5, 5.2, 4.9, 4.7, 4.5, 4.4]
+
+    def run(first, n, **par):
+        cfg = RunConfig(model="tiny", steps=6).replace(**par)
+        return NS(losses=losses[first:first + n], config=cfg,
+                  metrics=[{"first_step": first}] * cfg.parallel.world_size)
+
+    fig = resume_losses_figure(run(0, 6, dp=4), run(0, 3, dp=4),
+                               run(3, 3, dp=2, tp=2, zero_stage=1),
+                               extra={"resumed on pp2, 2 ranks": run(3, 3, pp=2)})
+    fig.update_layout(width=830)
+    return fig
+
+
 def _page(items) -> str:
     cells = []
     for i, (kind, payload) in enumerate(items):
@@ -102,7 +124,8 @@ def test_each_planted_problem_is_reported_and_no_twin_is(browser_page):
              ("fig", _data_annotation(False)), ("fig", _data_annotation(True)),
              ("html", SCROLL.format(h="8em")), ("html", SCROLL.format(h="none")),
              ("fig", _vline_labels(False)), ("fig", _vline_labels(True)),
-             ("fig", _coinciding_markers(False)), ("fig", _coinciding_markers(True))]
+             ("fig", _coinciding_markers(False)), ("fig", _coinciding_markers(True)),
+             ("fig", _resume_figure())]
     page = browser_page
     page.set_viewport_size({"width": 1280, "height": 900})
     page.set_content(_page(items))
