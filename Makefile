@@ -4,7 +4,8 @@
 #                  8888 is already in use, trying another port" and serves on the next free
 #                  one (8889, 8890, ...): open the URL it prints. JUPYTER_PORT_RETRIES=0
 #                  make lab fails instead.
-#   make test   -- unit + browser tests, then nbval over notebooks/*.ipynb
+#   make test   -- unit + browser tests and nbval over notebooks/*.ipynb, in two streams
+#                  at once (JOBS=2, the default; JOBS=1: one after the other)
 #   make bench  -- run every benchmarks/*.py
 #   make sweep  -- random compositions against the independent oracle (N=40, SEED=0)
 #   make mutants -- plant each one-line bug of tools/mutants.py, run the tests that must catch
@@ -86,21 +87,47 @@ chromium:
 	  echo "      install it with: sudo apt-get install chromium"; \
 	fi
 
-# Runs the pytest suite and then nbval; both always run, the target fails if either
-# fails.  pytest's exit code 5 ("no tests collected") counts as a failure for tests/;
-# for notebooks/ we only call nbval when there is at least one notebook.
+# Runs the pytest suite and nbval; all always run, the target fails if any fails.
+# pytest's exit code 5 ("no tests collected") counts as a failure for tests/; for
+# notebooks/ we only call nbval when there is at least one notebook.
+# JOBS=2 (default) runs two streams at once: (A) tests/ without tests/browser, live, and
+# (B) tests/browser then nbval, into tests/artifacts/stream-b.log, printed when A ends.
+# Much of the suite keeps one core busy (one process computing, or ranks and kernels
+# starting), so on 2 cores the second stream uses what the first leaves idle; each test
+# and notebook runs exactly as in one stream. JOBS=1 runs tests/ whole, then nbval.
+JOBS ?= 2
+PYTEST_TESTS = $(VPY) -m pytest -q -ra --durations=25
+PYTEST_NBVAL = $(VPY) -m pytest -q -ra --durations=15 $(NBVAL) --nbval-current-env \
+	--nbval-sanitize-with tests/nbval_sanitize.cfg
 test: $(STAMP) chromium
 	@start=$$(date +%s); rc=0; \
-	echo "== pytest tests/"; \
-	$(VPY) -m pytest -q -ra --durations=25 tests || rc=$$?; \
-	echo "== pytest tests/: $$(( $$(date +%s) - start )) s, exit $$rc"; \
 	mapfile -t nbs < <(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' 2>/dev/null | sort); \
-	if [ $${#nbs[@]} -eq 0 ]; then \
-	  echo "== nbval: no notebooks under notebooks/ yet -- skipped"; \
+	nbval() { \
+	  if [ $${#nbs[@]} -eq 0 ]; then \
+	    echo "== nbval: no notebooks under notebooks/ yet -- skipped"; \
+	  else \
+	    echo "== nbval ($(NBVAL)) on $${#nbs[@]} notebook(s)"; \
+	    $(PYTEST_NBVAL) "$${nbs[@]}"; \
+	  fi; \
+	}; \
+	if [ "$(JOBS)" = 1 ]; then \
+	  echo "== pytest tests/"; \
+	  $(PYTEST_TESTS) tests || rc=$$?; \
+	  echo "== pytest tests/: $$(( $$(date +%s) - start )) s, exit $$rc"; \
+	  nbval || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
 	else \
-	  echo "== nbval ($(NBVAL)) on $${#nbs[@]} notebook(s)"; \
-	  $(VPY) -m pytest -q -ra --durations=15 $(NBVAL) --nbval-current-env \
-	    --nbval-sanitize-with tests/nbval_sanitize.cfg "$${nbs[@]}" || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	  mkdir -p tests/artifacts; blog=tests/artifacts/stream-b.log; \
+	  ( b=0; echo "== pytest tests/browser"; \
+	    $(PYTEST_TESTS) tests/browser || b=$$?; \
+	    echo "== pytest tests/browser: $$(( $$(date +%s) - start )) s, exit $$b"; \
+	    nbval || { r=$$?; [ $$b -ne 0 ] || b=$$r; }; \
+	    echo "== stream B (browser tests, nbval): $$(( $$(date +%s) - start )) s, exit $$b"; \
+	    exit $$b ) > "$$blog" 2>&1 & bpid=$$!; \
+	  echo "== pytest tests/ --ignore=tests/browser (stream A; stream B: browser tests, then nbval, into $$blog)"; \
+	  $(PYTEST_TESTS) --ignore=tests/browser tests || rc=$$?; \
+	  echo "== pytest tests/ without browser: $$(( $$(date +%s) - start )) s, exit $$rc"; \
+	  wait $$bpid || { r=$$?; [ $$rc -ne 0 ] || rc=$$r; }; \
+	  echo "== stream B, as it ran ($$blog):"; cat "$$blog"; \
 	fi; \
 	echo "== make test: total wall time $$(( $$(date +%s) - start )) s, exit $$rc"; \
 	exit $$rc

@@ -33,7 +33,6 @@ the one-line reason and the cluster runs flat.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -41,6 +40,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from .netns import _Holder, enter  # noqa: F401  (labkit.nodes.enter: the ranks' import)
 
 __all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address",
            "node_of", "parse_rate", "probe", "enter", "launch"]
@@ -50,7 +51,6 @@ __all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "n
 #: InfiniBand per GPU (900/50 = 18): gloo's loopback all-reduce moves ~0.4-1.5 GB/s on a
 #: 2-core machine, loaded to idle (benchmarks/multinode.py prints this machine's ratio)
 DEFAULT_INTER_NODE = "500mbit"
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 #: the cables' MTU: loopback's 64 KiB, so a node-to-node byte costs what a local one does
 MTU = 65535
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -260,93 +260,6 @@ class EmulatedNetwork:
         return (f"{self.nodes} nodes ({node_address(0)} … {node_address(self.nodes - 1)}), "
                 f"each node's link {self.rate * 8 / 1e6:,.0f} Mbit/s = "
                 f"{self.rate / 1e6:,.1f} MB/s per direction{lat}")
-
-
-class _Holder:
-    """A process that holds a new network namespace while our pipe to it stays open: when
-    this process closes it (or dies), ``read`` sees EOF, the holder exits, and the namespace
-    goes with the last process inside it. ``owner``: join that holder's user namespace
-    first (non-root), so every namespace of one network shares one owner."""
-
-    def __init__(self, owner: "Optional[_Holder]"):
-        import time
-
-        if os.geteuid() == 0:  # root needs no user namespace (they may be disabled)
-            argv = ["unshare", "--net", "sh", "-c", "read _"]
-        elif owner is None:
-            argv = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c", "read _"]
-        else:
-            argv = ["nsenter", "-t", str(owner.pid), "-U", "--preserve-credentials",
-                    "unshare", "--net", "sh", "-c", "read _"]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-        mine, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace").strip()
-                self.close()
-                raise OSError(f"no emulated nodes: `{' '.join(argv[:4])}` failed "
-                              f"({err.splitlines()[-1] if err else 'no message'}); user "
-                              "namespaces may be disabled")
-            try:
-                # nsenter execs unshare, which execs sh: same pid throughout
-                if os.readlink(f"/proc/{self.proc.pid}/ns/net") != mine:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.005)
-        self.close()
-        raise OSError("no emulated nodes: a network namespace did not appear within 5 s")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        p = self.proc
-        try:
-            p.stdin.close()
-            p.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            p.kill()
-            p.wait()
-        if p.stderr:
-            p.stderr.close()
-
-
-def _setns(path: str, kind: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.setns(fd, kind) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"setns({path}): {os.strerror(e)}")
-    finally:
-        os.close(fd)
-
-
-def enter(spec: NodeSpec) -> None:
-    """Move this (single-threaded) process into node ``spec.node``'s network namespace and
-    point gloo at its ``eth0`` (``GLOO_SOCKET_IFNAME``; ``LABKIT_NODE`` says which node).
-
-    Root enters the network namespace directly (keeping its host credentials); others
-    enter the namespaces' user namespace first.
-
-    Raises:
-        OSError: the holder is gone, or the kernel refused.
-    """
-    ns = f"/proc/{spec.pid}/ns"
-    try:
-        _setns(f"{ns}/net", _CLONE_NEWNET)
-    except OSError:
-        _setns(f"{ns}/user", _CLONE_NEWUSER)  # must precede the net ns it owns
-        _setns(f"{ns}/net", _CLONE_NEWNET)
-    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "eth0"
-    os.environ["LABKIT_NODE"] = str(spec.node)
 
 
 def launch(nodes: int, nproc_per_node: int, args: list, inter_node=DEFAULT_INTER_NODE,

@@ -121,9 +121,18 @@ def test_c43_the_stated_layouts_are_needed(recent):  # claim C43
 
 def test_c43_predictions_beside_the_reports(recent):  # claims C43, C35
     """Where a report gives a throughput the planner's is beside it: Llama 3 405B within
-    ±10 % (C35's band); DeepSeek-V3 over-predicted (the planner times no expert all-to-all
-    and counts its GEMMs at bf16 MAMF) — within a factor 2, recorded not tuned."""
+    ±10 % (C35's band). DeepSeek-V3 within ±15 %: its 64-way expert all-to-alls are timed
+    (8 servers, a token over InfiniBand once per server it reaches, at most 4; FP8 out,
+    BF16 back), hidden by DualPipe where chunks pair, exposed in the warm-up and cool-down,
+    and paid for with 20 of 132 SMs; its attention core at MLA's widths. The band is wider
+    than C35's because terms of a few per cent each stay unmodelled, with both signs: FP8
+    GEMMs (faster), MLA's projections and the dense first layers folded into MoE ones,
+    DualPipe's smaller bubble (faster), and the report's end-to-end GPU-hours (slower)."""
     assert abs(recent["Llama 3 405B"]["error"]) <= 0.10
     v3 = recent["DeepSeek-V3"]
     assert v3["reported"].reported_tokens_per_gpu_s == pytest.approx(1543, rel=0.001)
-    assert 0 < v3["error"] < 1.0
+    assert abs(v3["error"]) <= 0.15, v3["error"]
+    ep = v3["plan"].comm["ep"]
+    assert ep.level == "fat-tree" and 0 < ep.exposed < ep.seconds
+    # its bytes leave the server through each GPU's own adapter: the most of any axis
+    assert ep.nic_bytes > max(a.nic_bytes for k, a in v3["plan"].comm.items() if k != "ep")

@@ -323,7 +323,7 @@ MUTANTS = [
            "the layout-invariance rule counts state ZeRO does not shard on every data rank "
            "(replicas counted more than once): the layouts must then disagree",
            ("tests/test_matrix.py -k layout_invariance_of_total_model_state",)),
-    Mutant("tp_bf16_residual_counted_bf16", "labkit/train/metrics.py",
+    Mutant("tp_bf16_residual_counted_bf16", "labkit/train/comm_predict.py",
            "    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs",
            "    res = act",
            "tp bytes under bf16 autocast counted all-bf16 (the residual side moves fp32)",

@@ -22,6 +22,9 @@ MARK = "NBVAL_CHECK_OUTPUT"
 
 def store(path: Path, timeout_s: int = 600) -> int:
     nb = nbformat.read(path, as_version=4)
+    # The kernel rewrites language_info with this interpreter's version; the stored one
+    # (name and lexer, which JupyterLab needs to highlight a fresh clone) is kept as it was.
+    language_info = nb.metadata.get("language_info")
     NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     kept = 0
@@ -34,8 +37,10 @@ def store(path: Path, timeout_s: int = 600) -> int:
             kept += 1
         else:
             cell.outputs, cell.execution_count = [], None
-    for key in ("widgets", "language_info"):
-        nb.metadata.pop(key, None)
+    nb.metadata.pop("widgets", None)
+    nb.metadata.pop("language_info", None)
+    if language_info is not None:
+        nb.metadata["language_info"] = language_info
     nbformat.write(nb, path)
     return kept
 

@@ -58,131 +58,17 @@ initialised (a rank of a real job).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
 from dataclasses import replace
-from typing import Optional
 
-import torch
-import torch.distributed as dist
+from .fake_world import (_context, _fake_mode, _p2p_holds_tensors,  # noqa: F401
+                         check_fake_rank, fake_process_group)
 
-__all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COMPARED"]
+__all__ = ["fake_rank_memory", "planned_rank_memory", "compare", "CATEGORIES_COMPARED",
+           "fake_process_group", "check_fake_rank"]
 
 #: the categories measured and planned alike (bytes)
 CATEGORIES_COMPARED = ("parameters", "gradients", "optimizer", "activations")
-
-_SCALAR = torch.ops.aten._local_scalar_dense.default
-_DEVICE = torch.ops.prim.device.default
-_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
-
-
-def _fake_mode():
-    """torch's ``FakeTensorMode`` that also answers every data-dependent scalar read
-    (``.item()``, ``bool(t)``) with 1 or False (fake tensors hold no values), and a fake
-    tensor's device query (asked from C++ at every autograd step) before its dispatch
-    machinery: one Python mode per operator instead of two.
-
-    ``aten._unsafe_view`` (a linear layer's 3-D output) is answered as ``aten.view``:
-    torch runs the same fake kernel for both (the input's storage, reshaped), but bypasses
-    its fake-tensor cache for ``_unsafe_view``, which then cost ~3x a cached operator."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class _FakeWithScalars(FakeTensorMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is _DEVICE:
-                dev = getattr(args[0], "fake_device", None)
-                if dev is not None:
-                    return dev
-            elif func is _SCALAR:
-                t = args[0]
-                if t.dtype == torch.bool:
-                    return False
-                return 1.0 if t.is_floating_point() else 1
-            elif func is _UNSAFE_VIEW:
-                func = _VIEW
-            return super().__torch_dispatch__(func, types, args, kwargs or {})
-
-    return _FakeWithScalars(allow_non_fake_inputs=True)
-
-
-class _HeldWork:
-    """A point-to-point work that keeps its tensor alive until ``wait()``, as gloo's and
-    NCCL's works do (a sent activation is freed only after its send completes); the fake
-    backend's works keep nothing, which would free it early. ``on_wait(tensor)`` runs when
-    a receive is waited for."""
-
-    def __init__(self, work, tensor, on_wait=None):
-        self._work, self._tensor, self._on_wait = work, tensor, on_wait
-
-    def wait(self, *args, **kwargs):
-        out = self._work.wait(*args, **kwargs) if self._work is not None else True
-        if self._on_wait is not None and self._tensor is not None:
-            self._on_wait(self._tensor)
-        self._tensor = None
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-@contextlib.contextmanager
-def _p2p_holds_tensors(ledger=None):
-    saved = {name: getattr(dist, name) for name in ("isend", "irecv")}
-
-    def holding(fn, receive):
-        def call(tensor, *args, **kwargs):
-            on_wait, tag = None, kwargs.get("tag", args[2] if len(args) > 2 else 0)
-            if ledger is not None and receive:
-                on_wait = lambda t, tag=tag: ledger.on_wait(t, tag)  # noqa: E731
-            elif ledger is not None:
-                ledger.on_send(tag)
-            return _HeldWork(fn(tensor, *args, **kwargs), tensor, on_wait)
-        return call
-
-    try:
-        for name, fn in saved.items():
-            setattr(dist, name, holding(fn, name == "irecv"))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-def _context(rank: int, world: int, stage_layers_only: bool = True):
-    """A :class:`labkit.worker.RankContext` whose mesh groups are made on demand: the
-    pool-wide list (``Mesh.required_groups``) of a cluster-scale mesh has hundreds of
-    thousands of entries and is only needed when real processes must agree on it. With
-    ``stage_layers_only`` the job builds only the layers this rank's stages keep
-    (:mod:`labkit.train.build`)."""
-    from labkit.mesh import MeshGroups, ProcessGroups
-    from labkit.trace import Tracer
-    from labkit.worker import RankContext
-
-    class _OnDemand(ProcessGroups):
-        """Only this rank's groups, made when first asked for: under the fake backend
-        ``new_group`` needs no other process, and the world's every group (thousands at
-        cluster scale) is never needed by one rank."""
-
-        def ensure(self, tuples) -> None:
-            pass
-
-        def get(self, ranks):
-            key = tuple(sorted(ranks))
-            if key not in self._groups:
-                self._groups[key] = self._dist.new_group(list(key))
-                self.created += 1
-            return self._groups[key]
-
-    class _FakeContext(RankContext):
-        def mesh_groups(self, mesh):
-            return MeshGroups(mesh, self.rank, self.groups)
-
-    ctx = _FakeContext(rank, world, torch.device("cpu"), dist.group.WORLD, "fake",
-                       Tracer(rank), {}, _OnDemand())
-    ctx.stage_layers_only = stage_layers_only
-    return ctx
-
 
 def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
                      stage_layers_only: bool = True) -> dict:
@@ -212,16 +98,10 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
     """
     from labkit import train
     from labkit.train.pipeline import boundary_shape
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .activation_roles import RoleLedger, itemised_tracker, stage_output_blocks
 
-    world = cfg.parallel.world_size
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be in 0..{world - 1} (world_size {world}), got {rank!r}")
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process; the "
-                           "fake process group needs a process of its own")
+    world = check_fake_rank(cfg, rank)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     cfg = replace(cfg, steps=steps, measure_memory=True, count_flops=False)
@@ -229,21 +109,9 @@ def fake_rank_memory(cfg, rank: int = 0, steps: int = 1, *,
     mc = cfg.model_config
     ledger = RoleLedger(boundary_shape(cfg), mc.head_dim // 2)
     t0 = time.perf_counter()
-    if cfg.dataset == "text":
-        from labkit.models.data import text_corpus
-
-        text_corpus("train")  # cached per process: read it for real, not as a fake tensor
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        ctx = _context(rank, world, stage_layers_only)
-        with warnings.catch_warnings(), _p2p_holds_tensors(ledger), itemised_tracker(ledger), \
-                _fake_mode():
-            # the pipeline's activation meter keys storages by data_ptr, which fake tensors
-            # do not have (its count is not used here; the tracker's is)
-            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
-            out = train.run(ctx, cfg)
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(cfg, rank, stage_layers_only) as ctx, \
+            _p2p_holds_tensors(ledger), itemised_tracker(ledger), _fake_mode():
+        out = train.run(ctx, cfg)
     m = out["metrics"]
     last = stage_output_blocks(mc.n_layers, cfg.n_stages, m["stages"]) \
         if mc.kind == "gpt" else set()

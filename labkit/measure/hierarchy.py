@@ -6,10 +6,12 @@ two layouts that differ only in which traffic crosses the node boundary. Each va
 reports its step time, the bytes each node's link carried (the kernel's tc counters) and
 labkit's per-axis bytes, and the planner's prediction: every communication call the run
 recorded, priced by :mod:`labkit.plan.network` on a hierarchy built from this cluster's
-measured links (:mod:`labkit.plan.emulated`); predicted step = the run's own compute time
-(the time its trace shows it computing and not inside a communication call) + the
-predicted communication, none of it overlapped and no pipeline bubble (the planner's
-comm model is what is checked here).
+measured links (:mod:`labkit.plan.emulated`). The predicted step follows what the job
+does (:mod:`labkit.measure.step_model`): the run's own compute, blocking calls on the
+critical path, asynchronous ones (DDP's buckets, FSDP's prefetched gathers) hidden where
+the compute allows, and a pipeline's stages, bubble and per-microbatch transfers from its
+schedule. ``pred_flat_s`` keeps the earlier sum — compute + every call's predicted
+seconds, nothing overlapped, no bubble — beside it.
 
 "block" placement keeps consecutive ranks in a node (the mesh's order, tp innermost);
 "cyclic" deals them round robin — as if the mesh's order were reversed.
@@ -21,6 +23,7 @@ from typing import Optional
 
 from ..collectives.links import measure_links
 from ..plan.emulated import emulated_spec, physical_order, predict_comm
+from .step_model import predict_step
 
 __all__ = ["Links", "Variant", "Experiment", "EXPERIMENTS", "measure_cluster_links",
            "run_variant", "warm_up"]
@@ -119,13 +122,15 @@ def warm_up(cluster, model: str = "small") -> None:
 def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dict:
     """Run ``cfg`` on ``cluster`` (emulated nodes) and measure it beside the planner.
 
-    Returns ``{"step_s", "comm_s", "pred_comm_s", "pred_step_s", "link_bytes_per_step",
-    "axis_bytes", "losses"}``: the slowest rank's median steady step; its seconds inside
-    communication calls per step (spans merged; an asynchronous call's span includes the
-    compute it overlapped, a receive the wait for its sender); the planner's for the same
-    calls; the largest over ranks of compute + predicted communication; bytes each node's
-    link carried per step (tc counters, headers included); rank 0's bytes sent per mesh
-    axis per step (labkit.comm).
+    Returns ``{"step_s", "comm_s", "pred_comm_s", "pred_step_s", "pred_flat_s",
+    "pred_bubble", "link_bytes_per_step", "axis_bytes", "losses"}``: the slowest rank's
+    median steady step; its seconds inside communication calls per step (spans merged; an
+    asynchronous call's span includes the compute it overlapped, a receive the wait for its
+    sender); the planner's for the same calls; the planner's step
+    (:func:`labkit.measure.step_model.predict_step`: overlap and pipeline as the job runs
+    them) and the flat sum (the largest over ranks of compute + predicted communication);
+    the simulated pipeline bubble; bytes each node's link carried per step (tc counters,
+    headers included); rank 0's bytes sent per mesh axis per step (labkit.comm).
     """
     from ..jobs import train
 
@@ -159,8 +164,12 @@ def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dic
         rows.append((step, comm_s, pred, compute_s + pred))
     slow = max(rows, key=lambda x: x[0])
     m0 = res.outputs[0]["metrics"]
+    sched = cfg.build_schedule() if cfg.parallel.pp > 1 else None
+    model = predict_step(res.trace, list(ranks), steady, spec, phys, sched,
+                         cfg.flushes if sched is not None else 1)
     return {"step_s": slow[0], "comm_s": slow[1], "pred_comm_s": slow[2],
-            "pred_step_s": max(x[3] for x in rows),
+            "pred_step_s": model["step_s"], "pred_flat_s": max(x[3] for x in rows),
+            "pred_bubble": model["bubble"],
             "link_bytes_per_step": {k: (after[k] - before[k]) / steps for k in after},
             "axis_bytes": m0.get("comm_bytes_by_axis", {}),
             "losses": res.outputs[0]["losses"]}

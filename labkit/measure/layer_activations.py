@@ -10,12 +10,10 @@ batch under the job's autocast, and counts the tensors each block saves for back
 keeps beyond it (:func:`~labkit.parallel.tensor.activations.labkit_adjustments`).
 
 :func:`fake_layer_activations` runs the same measurement for one rank of a cluster-scale
-layout under fake tensors and a fake process group (:mod:`labkit.measure.fake_rank`), so
+layout under fake tensors and a fake process group (:mod:`labkit.measure.fake_world`), so
 Llama 3 405B's layer on its rank is measured on this CPU with no memory.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -115,26 +113,7 @@ def fake_layer_activations(cfg, rank: int = 0) -> dict:
         ValueError: ``rank`` outside the world; what :func:`job_layer_activations` refuses.
         RuntimeError: ``torch.distributed`` is already initialised in this process.
     """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from .fake_world import _fake_mode, fake_process_group
 
-    from .fake_rank import _context, _fake_mode
-
-    world = cfg.parallel.world_size
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be in 0..{world - 1} (world_size {world}), got {rank!r}")
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process; the "
-                           "fake process group needs a process of its own")
-    if cfg.dataset == "text":
-        from labkit.models.data import text_corpus
-
-        text_corpus("train")  # read for real, not as a fake tensor
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        with warnings.catch_warnings(), _fake_mode():
-            # the data-parallel wrappers key storages by data_ptr, which fake tensors lack
-            warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
-            return job_layer_activations(_context(rank, world), cfg)
-    finally:
-        dist.destroy_process_group()
+    with fake_process_group(cfg, rank) as ctx, _fake_mode():
+        return job_layer_activations(ctx, cfg)

@@ -60,6 +60,7 @@ def layer_ops(model, b: int, s_local: int, s_kv: int, tp: int = 1, sp: bool = Fa
     attending over ``s_kv`` keys, on one of ``tp`` ranks (and ``ep`` for the experts)."""
     h, f, d = model.d_model, model.d_ff, model.head_dim
     kv = max(model.kv_dim / tp, d)
+    dc = model.core_dim  # the core's per-head width (MLA: wider than h/a)
     T = b * s_local
     tn = T * h / (tp if sp else 1)
     heads = model.n_heads / tp
@@ -68,15 +69,15 @@ def layer_ops(model, b: int, s_local: int, s_kv: int, tp: int = 1, sp: bool = Fa
     if not model.learned_positions:
         ops.append(Op("rotary", "memory", 0.0, 2 * 2 * T * (h / tp + kv)))
     if model.attention == "eager":
-        ops += [Op("scores", "gemm", 2 * sc * d,
+        ops += [Op("scores", "gemm", 2 * sc * dc,
                    2 * (b * heads * (s_local + s_kv) * d + sc), core=True),
                 Op("softmax", "memory", 0.0, 4 * sc, core=True)]
         if model.dropout:
             ops.append(Op("attn_dropout", "memory", 0.0, 5 * sc, core=True))
-        ops.append(Op("pv", "gemm", 2 * sc * d, 2 * (sc + b * heads * (s_local + s_kv) * d),
+        ops.append(Op("pv", "gemm", 2 * sc * dc, 2 * (sc + b * heads * (s_local + s_kv) * d),
                       core=True))
     else:
-        ops.append(Op("flash", "attention", 4 * sc * d,
+        ops.append(Op("flash", "attention", 4 * sc * dc,
                       2 * (2 * T * h / tp + 2 * b * s_kv * kv), core=True))
     residual = 7 * tn if model.dropout else 6 * tn
     ops += [_gemm("proj", T, h / tp, h), Op("residual1", "memory", 0.0, residual),

@@ -70,6 +70,13 @@ class PlanModel:
             :attr:`params` and the FLOPs. Memory and expert parallelism treat every block
             as a mixture-of-experts block: the fullest pipeline stage holds no dense one.
         dense_d_ff: the hidden width of those dense MLPs.
+        shared_experts: of the ``top_k``, how many are shared experts every token computes
+            on its own rank (folded in as experts always chosen): they are not dispatched.
+        core_head_dim: the per-head width the attention core multiplies by, where it is
+            not ``h/a`` (multi-head latent attention: the mean of the query-key and value
+            head widths); 0 = ``h/a``. Only the core's FLOPs use it.
+        node_limit: node-limited routing (DeepSeek-V3 §2.1.2): a token's routed experts lie
+            on at most this many servers of its expert-parallel group (0: no limit).
         source: where the shape comes from.
     """
 
@@ -92,6 +99,9 @@ class PlanModel:
     top_k: int = 1
     dense_layers: int = 0
     dense_d_ff: int = 0
+    shared_experts: int = 0
+    node_limit: int = 0
+    core_head_dim: int = 0
     source: str = ""
 
     def __post_init__(self):
@@ -118,6 +128,10 @@ class PlanModel:
         if d and (not e or isinstance(f, bool) or not isinstance(f, int) or f < 1):
             raise ValueError(f"PlanModel.dense_layers={d} needs experts (n_experts={e}) and "
                              f"a dense_d_ff >= 1, got dense_d_ff={f!r}")
+        if not 0 <= self.shared_experts < k or self.node_limit < 0:
+            raise ValueError(f"PlanModel.shared_experts must be in 0..top_k-1={k - 1} and "
+                             f"node_limit >= 0, got {self.shared_experts!r}, "
+                             f"{self.node_limit!r}")
         for f, ok in (("mlp", ("swiglu", "gelu")), ("attention", ("flash", "eager")),
                       ("norm", ("rmsnorm", "layernorm"))):
             if getattr(self, f) not in ok:
@@ -127,6 +141,12 @@ class PlanModel:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def core_dim(self) -> int:
+        """Per-head width of the attention core's two matmuls (``core_head_dim`` or
+        ``h/a``)."""
+        return self.core_head_dim or self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -217,7 +237,7 @@ class PlanModel:
         (``QKᵀ`` and ``P·V``, ``4·a·d·s`` forward, ×3 with backward; non-causal, PaLM
         Appendix B)."""
         s = self.seq_len if seq_len is None else seq_len
-        return 12.0 * self.n_layers * self.n_heads * self.head_dim * s
+        return 12.0 * self.n_layers * self.n_heads * self.core_dim * s
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Model FLOPs of one training token (forward + backward, no recomputation):
@@ -297,23 +317,26 @@ _recent("deepseek-67b", n_layers=95, d_model=8192, n_heads=64, n_kv_heads=8, d_f
                "8 KV heads (GQA), context 4,096; FFN 22,016 and vocabulary 102,400 from the "
                "released config")
 _recent("deepseek-v3", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, d_ff=2048,
-        vocab_size=129280, seq_len=4096, n_experts=256, top_k=9, dense_layers=3,
-        dense_d_ff=18432,
+        vocab_size=129280, seq_len=4096, n_experts=256, top_k=9, shared_experts=1,
+        node_limit=4, core_head_dim=160, dense_layers=3, dense_d_ff=18432,
         source="DeepSeek-AI 2024 (DeepSeek-V3 Technical Report) §4.2: 61 layers, hidden 7,168, "
                "128 heads, 1 shared + 256 routed experts of hidden 2,048, 8 routed per token, "
                "the first three layers dense (FFN 18,432, from the released config), "
                "vocabulary 129,280 (untied head), sequence 4,096; 671B parameters, 37B "
                "active, the multi-token-prediction module's 14B not included. Folded in: the "
                "shared expert as a ninth expert every token visits (its FLOPs exact, its 44M "
-               "parameters per layer, 2.6B in all, left out), multi-head latent attention as "
-               "multi-head attention (1.1B more than MLA's projections): 669.6B counted")
+               "parameters per layer, 2.6B in all, left out), multi-head latent attention's "
+               "projections as multi-head attention's (1.1B more parameters; its core "
+               "multiplies by 128 heads of 192 query-key and 128 value widths: core_head_dim "
+               "160, §2.1.1): 669.6B counted; node-limited routing to at most 4 nodes "
+               "(§2.1.2)")
 _recent("qwen-14b", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13696,
         vocab_size=152064, seq_len=2048,
         source="Bai et al. 2023 (Qwen Technical Report), Table 1: 14B: hidden 5,120, 40 heads, "
                "40 layers, sequence 2,048; SwiGLU of 13,696 (8/3 of hidden, rounded), "
                "vocabulary 151,851 padded to 152,064, untied")
 _recent("qwen1.5-moe-a2.7b", n_layers=24, d_model=2048, n_heads=16, n_kv_heads=16,
-        d_ff=1408, vocab_size=151936, seq_len=8192, n_experts=64, top_k=8,
+        d_ff=1408, vocab_size=151936, seq_len=8192, n_experts=64, top_k=8, shared_experts=4,
         source="Qwen team 2024, Qwen1.5-MoE-A2.7B (release notes and config): 24 layers, "
                "hidden 2,048, 16 heads, 60 routed experts of 1,408 with 4 per token and a "
                "shared expert of 5,632 (= 4 × 1,408) every token uses, folded in as 4 more "

@@ -22,6 +22,13 @@ with :func:`labkit.plan.comm.comm_bytes` (ring bytes) and latency ``base + steps
 ``n−1`` ring steps (``2(n−1)`` for all-reduce, or ``2·⌈log₂ n⌉`` on NCCL's double binary
 tree when that is fewer; Sanders et al. 2009), hop latency of the network if the group
 leaves a server, else of NVLink.
+
+**All-to-all** (:func:`all_to_all_time`) is no ring: every rank sends ``S/n`` to each peer
+at once, so its time is set by the links its bytes cross, not by ring steps. Switched: of a
+rank's send buffer ``S``, ``(g−1)/n · S`` stays in the server (NVLink) and ``(n−g)/n · S``
+leaves through the rank's **own** network adapter (one per GPU, not ``g`` of them pooled as
+a ring gets); the two run in parallel, the slower sets the time. Torus: the bytes that cross
+the torus's bisection (:func:`labkit.plan.torus.torus_all_to_all_rate`).
 """
 from __future__ import annotations
 
@@ -33,9 +40,9 @@ from typing import Optional
 from labkit.plan.comm import comm_bytes, normalize_collective
 from labkit.plan.hardware import NCCL_BASE_LATENCY, ClusterSpec
 from labkit.plan.runtime import LINK_EFFICIENCY
-from labkit.plan.torus import torus_rate
+from labkit.plan.torus import torus_all_to_all_rate, torus_rate
 
-__all__ = ["Placement", "place", "collective_time"]
+__all__ = ["Placement", "place", "collective_time", "all_to_all_time"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,13 @@ class Placement:
         ring_steps: ring steps of an all-gather on a torus (``Σ (e_d − 1)`` over the
             axes it spans, :mod:`labkit.plan.torus`); ``None`` on a switched cluster
             (``n − 1``).
+        inside_bandwidth: bytes/s per GPU per direction to a member in the same server
+            (NVLink; on a torus unused).
+        nic_bandwidth: bytes/s per GPU per direction through its own network adapter to
+            members in other servers (after oversubscription); ``inf`` when the group stays
+            in one server.
+        a2a_rate: on a torus, bytes/s at which a rank's all-to-all send buffer drains
+            through the bisection (``None`` on a switched cluster).
     """
 
     size: int
@@ -65,6 +79,9 @@ class Placement:
     hop_latency: float
     slowdown: float = 1.0
     ring_steps: Optional[int] = None
+    inside_bandwidth: float = math.inf
+    nic_bandwidth: float = math.inf
+    a2a_rate: Optional[float] = None
 
     @property
     def crosses_servers(self) -> bool:
@@ -114,10 +131,12 @@ def place(cluster: ClusterSpec, *axes: tuple[int, int]) -> Placement:
     if cluster.torus:
         bw, steps, spacing = torus_rate(cluster.torus, node.bandwidth, axes)
         return Placement(size, stride0, node.name, size, bw, node.latency * spacing,
-                         ring_steps=steps)
+                         ring_steps=steps,
+                         a2a_rate=torus_all_to_all_rate(cluster.torus, node.bandwidth, axes))
     g_server = _members(axes, node.size)
     if g_server == size:
-        return Placement(size, stride0, node.name, size, node.bandwidth, node.latency)
+        return Placement(size, stride0, node.name, size, node.bandwidth, node.latency,
+                         inside_bandwidth=node.bandwidth)
     bw, slowdown, name, hop, inner = math.inf, 1.0, node.name, node.latency, node
     for lv in levels[1:]:
         slow = max(1.0, lv.oversubscription * g_server / _members(axes, inner.size))
@@ -128,7 +147,7 @@ def place(cluster: ClusterSpec, *axes: tuple[int, int]) -> Placement:
             break
         inner = lv
     return Placement(size, stride0, name, g_server, min(node.bandwidth, g_server * bw), hop,
-                     slowdown)
+                     slowdown, inside_bandwidth=node.bandwidth, nic_bandwidth=bw)
 
 
 def collective_time(collective: str, size_bytes: float, placement: Placement,
@@ -146,6 +165,8 @@ def collective_time(collective: str, size_bytes: float, placement: Placement,
     n = placement.size
     if n == 1 or size_bytes == 0:
         return 0.0
+    if c == "all_to_all":
+        return all_to_all_time(size_bytes, placement, link_efficiency=link_efficiency)
     if c == "send_recv":
         steps = 1
     elif placement.ring_steps is not None:  # rings along the torus axes
@@ -157,3 +178,40 @@ def collective_time(collective: str, size_bytes: float, placement: Placement,
     latency = NCCL_BASE_LATENCY + steps * placement.hop_latency
     moved = comm_bytes(c, size_bytes, n) if c != "send_recv" else float(size_bytes)
     return latency + moved / (placement.bandwidth * link_efficiency)
+
+
+def all_to_all_time(size_bytes: float, placement: Placement,
+                    across_bytes: Optional[float] = None,
+                    link_efficiency: float = LINK_EFFICIENCY,
+                    inside_bytes: Optional[float] = None) -> float:
+    """Seconds of one all-to-all in which each rank of ``placement``'s group sends
+    ``size_bytes`` (its whole send buffer ``S``, ``S/n`` per destination, its own share
+    included) and receives as much.
+
+    Switched cluster, ``g`` members per server: ``(g−1)/n · S`` goes over NVLink at
+    ``inside_bandwidth`` and ``(n−g)/n · S`` (or ``across_bytes``, when the runtime sends
+    fewer copies across, e.g. DeepSeek-V3's one copy per node) through the rank's own
+    adapter at ``nic_bandwidth`` (``inside_bytes`` overrides the NVLink share likewise);
+    both at once: ``latency + max(inside, across)``. Torus:
+    ``S / a2a_rate`` (the bisection bound, :func:`labkit.plan.torus.torus_all_to_all_rate`).
+    Latency: NCCL's base plus one hop (the ``n−1`` transfers are posted together), or the
+    torus.s ``⌊ring_steps / 2⌋`` hops (the diameter of the closed rings it spans).
+
+    Raises:
+        ValueError: a negative size.
+    """
+    if size_bytes < 0 or (across_bytes is not None and across_bytes < 0):
+        raise ValueError(f"size_bytes and across_bytes must be >= 0, got {size_bytes}, "
+                         f"{across_bytes}")
+    n, g = placement.size, placement.per_server
+    if n == 1 or size_bytes == 0:
+        return 0.0
+    if placement.a2a_rate is not None:
+        hops = max(1, (placement.ring_steps or 0) // 2)
+        return (NCCL_BASE_LATENCY + hops * placement.hop_latency
+                + size_bytes / (placement.a2a_rate * link_efficiency))
+    inside = (g - 1) / n * size_bytes if inside_bytes is None else float(inside_bytes)
+    across = (n - g) / n * size_bytes if across_bytes is None else float(across_bytes)
+    t_in = inside / (placement.inside_bandwidth * link_efficiency) if inside else 0.0
+    t_out = across / (placement.nic_bandwidth * link_efficiency) if across else 0.0
+    return NCCL_BASE_LATENCY + placement.hop_latency + max(t_in, t_out)

@@ -42,6 +42,8 @@ class Reported:
         reported_tokens_per_gpu_s: throughput the report gives (tokens per second per GPU),
             if any; ``reported_tflops``: model TFLOP/s per GPU, if given.
         note: what is assumed.
+        order: the rank order (innermost axis first) where the report places an axis
+            other than the default ``[TP, CP, PP, DP]`` does.
     """
 
     name: str
@@ -56,10 +58,12 @@ class Reported:
     reported_tokens_per_gpu_s: Optional[float] = None
     reported_tflops: Optional[float] = None
     note: str = ""
+    order: Optional[tuple] = None
 
 
 def _layouts(r: Reported, microbatch=(1, 2, 4), virtual=(2, 4)):
     ch = {"tp": (1,), "cp": (1,), "pp": (1,), "ep": (1,), "zero": (1,), **r.choices}
+    extra = {"order": r.order} if r.order else {}
     for tp, cp, pp, ep, z in itertools.product(ch["tp"], ch["cp"], ch["pp"], ch["ep"],
                                                ch["zero"]):
         if r.n_gpus % (tp * cp * pp):
@@ -71,7 +75,7 @@ def _layouts(r: Reported, microbatch=(1, 2, 4), virtual=(2, 4)):
         for b, (sched, v) in itertools.product(microbatch, scheds):
             yield [Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero=z, microbatch=b,
                           global_batch=r.global_batch, schedule=sched, virtual_stages=v,
-                          checkpoint=ck) for ck in ("none", "selective", "full")]
+                          checkpoint=ck, **extra) for ck in ("none", "selective", "full")]
 
 
 def plan_reported(r: Reported) -> dict:
@@ -136,9 +140,15 @@ RECENT = (
              "data parallelism, no tensor parallelism; batch 15,360 × 4,096",
              "DeepSeek-AI 2024 (DeepSeek-V3 Technical Report) §3.2 and §4.2; 180K H800 "
              "GPU-hours per trillion tokens (§1) = 1,543 tokens/s per GPU",
+             runtime="deepseek-v3-2024",
              reported_tokens_per_gpu_s=1e12 / (180e3 * 3600),
-             note="the report trains in FP8 (twice bf16's peak) with DualPipe overlapping "
-                  "the all-to-alls; the planner counts bf16 GEMMs and times no all-to-all"),
+             note="the expert-parallel group is 8 nodes of 8 GPUs (data ranks innermost, "
+                  "the pipeline across nodes); its all-to-alls are timed with the report's "
+                  "node-limited, once-per-node dispatch (FP8 out, BF16 back) and hidden by "
+                  "DualPipe in the steady state at the cost of 20 of 132 SMs; GEMMs counted "
+                  "at bf16 MAMF (the report's FP8 GEMMs are not modelled) and multi-head "
+                  "latent attention as multi-head attention",
+             order=("tp", "cp", "dp", "pp")),
     Reported("Qwen 14B", "qwen-14b", "cs336-cluster", 256, 2048,
              {"tp": (2, 4, 8), "pp": (2, 4), "zero": (1,)},
              "ZeRO-1 + tensor + pipeline parallelism (the lecture's table; the report "

@@ -81,6 +81,17 @@ class Runtime:
         matmul_efficiency: ``((gpu name, fraction of peak), ...)``: what this
             implementation's GEMMs achieved on each GPU type it ran on; a GPU not listed
             runs at its MAMF (:attr:`labkit.plan.hardware.GPU.matmul_efficiency`).
+        ep_overlap: fraction of the expert all-to-all (dispatch and combine) that can hide
+            behind compute (0: the dispatcher blocks the compute stream, as labkit's and
+            Megatron-Core's all-to-all dispatchers do).
+        a2a_widths: ``(dispatch, combine)`` bytes per element of the expert all-to-all's
+            two directions (dispatch: forward tokens and the backward's output gradients
+            to the experts; combine: forward expert outputs and the backward's input
+            gradients back); ``()`` = the compute width (2, or 4 at fp32).
+        a2a_node_dedup: a token bound for several experts on one server crosses the
+            network once and is forwarded inside the server (DeepSeek-V3 §3.2.2).
+        comm_sm_fraction: share of the GPU's SMs that run communication kernels while
+            compute runs on the rest (the compute slows by ``1/(1 − fraction)``).
         zero_shards_experts: with ``ep > 1``, ZeRO shards the expert parameters' state over
             their expert-data group (``dp·cp/ep`` ranks), as Megatron-Core's distributed
             optimizer does; ``False``: it leaves them whole on each rank (labkit's job keeps
@@ -99,6 +110,10 @@ class Runtime:
     optimizer_bytes: int = 12
     zero_shards_experts: bool = True
     matmul_efficiency: tuple = ()
+    ep_overlap: float = 0.0
+    a2a_widths: tuple = ()
+    a2a_node_dedup: bool = False
+    comm_sm_fraction: float = 0.0
 
     def gpu(self, gpu):
         """``gpu`` with this implementation's achieved matmul efficiency, if it has one."""
@@ -124,6 +139,17 @@ RUNTIMES: dict[str, Runtime] = {
                "weights and reduces gradients asynchronously; the all-gather of context-"
                "parallel K/V is exposed on the critical path; tensor- and pipeline-parallel "
                "transfers taken as blocking (the paper does not say otherwise)"),
+    "deepseek-v3-2024": Runtime(
+        "deepseek-v3-2024", grad_bytes=4, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=1.0,
+        dp_overlap=1.0, pp_scatter_gather=False, ep_overlap=1.0, a2a_widths=(1, 2),
+        a2a_node_dedup=True, comm_sm_fraction=20 / 132,
+        source="DeepSeek-AI 2024 (DeepSeek-V3 Technical Report): DualPipe (§3.2.1) pairs a "
+               "forward and a backward chunk so that both all-to-alls and the pipeline "
+               "sends hide behind compute; the all-to-all kernels run on 20 of the H800's "
+               "132 SMs (§3.2.2), and a token crosses InfiniBand once per target node, then "
+               "NVLink; dispatch in FP8, combine in BF16 (§3.3.2); FP32 gradient "
+               "accumulation; Adam state counted as for Llama 3 (the report's BF16 moments "
+               "are not modelled)"),
     "labkit-fp32": Runtime(
         "labkit-fp32", grad_bytes=4, tp_overlap=0.0, cp_overlap=0.0, pp_overlap=0.0,
         dp_overlap=1.0, pp_scatter_gather=False, param_bytes=4, optimizer_bytes=8,

@@ -10,6 +10,14 @@ exposed part of
   full recomputation repeats the forward's.
 * **CP** (Llama 3 §3.3.2): per layer an all-gather of K and V of the whole sequence forward,
   again backward (and in recomputation), and a reduce-scatter of their gradients.
+* **EP** (GShard, Lepikhin et al. 2020 §3.2): per mixture-of-experts layer and microbatch
+  the dispatch and combine all-to-alls, forward, backward and in recomputation
+  (:func:`labkit.plan.experts.expert_all_to_all_time`). A runtime that overlaps them
+  (``ep_overlap``: DeepSeek-V3's DualPipe pairs a forward chunk with a backward chunk,
+  §3.2.1) hides them behind the layer's compute only where chunks pair: not in the
+  pipeline's warm-up and cool-down, ``(p−1)/m`` of a rank's chunks, whose all-to-alls
+  stay exposed. The SMs that run the communication kernels meanwhile are lost to compute
+  (``comm_sm_fraction``).
 * **PP**: per microbatch and model chunk, the activation forward and its gradient backward
   to the neighbour rank (``2·b·s·h/t`` bytes with sequence parallelism or Megatron's
   scatter/gather, §4.1), ``2·V`` transfers per microbatch.
@@ -35,6 +43,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from labkit.plan.compute import head_ops, layer_ops, ops_flops, ops_time
+from labkit.plan.experts import expert_all_to_all_time
 from labkit.plan.network import collective_time, place
 from labkit.plan.runtime import ADAM_BYTES_PER_PARAM, LINK_EFFICIENCY, MEMORY_EFFICIENCY
 
@@ -110,8 +119,11 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
     s_loc = s // layout.cp
     T = b * s_loc
     lt = layer_times(model, gpu, b, s_loc, s, t, sp, getattr(layout, "ep", 1))
-    t_f, t_b = lt["f"], lt["b"]
-    t_rc = {"none": 0.0, "selective": lt["core_f"], "full": t_f}[layout.checkpoint]
+    # SMs held by communication kernels leave the rest to compute
+    slow_sm = 1.0 / (1.0 - r.comm_sm_fraction)
+    t_f, t_b, t_head = lt["f"] * slow_sm, lt["b"] * slow_sm, lt["head"] * slow_sm
+    t_rc = {"none": 0.0, "selective": lt["core_f"], "full": lt["f"]}[layout.checkpoint] \
+        * slow_sm
     act = 2.0 * T * model.d_model
 
     # tensor parallelism, per layer and microbatch
@@ -143,6 +155,13 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
         cp_s = cp_bytes = 0.0
     cp_x = _exposed(cp_s, r.cp_overlap, lt["core_f"] + lt["core_b"])
 
+    # expert parallelism, per MoE layer and microbatch; chunks pair (and hide their
+    # all-to-alls) only in the pipeline's steady state
+    a2a = expert_all_to_all_time(model, cluster, layout, r) if model.moe else None
+    ep_s = a2a["seconds"] if a2a else 0.0
+    unpaired = min(1.0, (p - 1) / mb) if r.ep_overlap and p > 1 else 0.0
+    ep_x = unpaired * ep_s + (1 - unpaired) * _exposed(ep_s, r.ep_overlap, t_f + t_b + t_rc)
+
     # pipeline parallelism, per microbatch
     pair = place(cluster, (min(p, 2), layout.stride("pp")))
     msg = act / (t if (sp or r.pp_scatter_gather) else 1)
@@ -156,9 +175,9 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
 
     stage, pp_x = [], []
     for i in range(p):
-        compute = layers[i] * (t_f + t_b + t_rc) + (lt["head"] if i == p - 1 else 0.0)
+        compute = layers[i] * (t_f + t_b + t_rc) + (t_head if i == p - 1 else 0.0)
         pp_x.append(_exposed(pp_s, r.pp_overlap, compute))
-        stage.append(compute + layers[i] * (tp_x + cp_x) + pp_x[i])
+        stage.append(compute + layers[i] * (tp_x + cp_x + ep_x) + pp_x[i])
     slow = max(range(p), key=lambda i: stage[i])
     t_mb = stage[slow]
     t_pipe = (mb + (p - 1) / v) * t_mb
@@ -186,13 +205,21 @@ def step_time(model, cluster, layout, runtime, layers: list[int], params: list[f
                            mb * pp_s, mb * pp_x[slow], mb * pp_bytes),
             "dp": dp}
     axes = {k: _with_nic(a, cluster, layout, k) for k, a in axes.items()}
+    if a2a and a2a["placement"].size > 1:
+        pl = a2a["placement"]
+        axes["ep"] = AxisTime(pl.size, pl.level, min(pl.inside_bandwidth, pl.nic_bandwidth),
+                              "all-to-all dispatch + combine per MoE layer, forward, backward"
+                              " (and in recomputation)", n * ep_s, n * ep_x,
+                              n * a2a["bytes"], n * a2a["across_bytes"])
+    else:
+        axes["ep"] = _none(getattr(layout, "ep", 1))
     nic = sum(a.nic_bytes for a in axes.values())
     t_nic = nic / (cluster.levels[1].bandwidth * LINK_EFFICIENCY) if len(cluster.levels) > 1 \
         else 0.0
     rc_flops = {"none": 0.0, "selective": lt["core_flops"], "full": lt["flops"]}[
         layout.checkpoint] * t / T * model.n_layers
     step = max(t_pipe + dp.exposed, t_nic) + t_opt
-    return StepTime(t_f, t_b, t_rc, lt["head"], tuple(stage), slow, t_mb, t_pipe, bubble,
+    return StepTime(t_f, t_b, t_rc, t_head, tuple(stage), slow, t_mb, t_pipe, bubble,
                     axes, t_opt, step, rc_flops, t_nic)
 
 

@@ -20,9 +20,15 @@ Matrices"). Collectives run as **rings along the torus axes**:
   ~1 µs per ICI hop.
 
 So a group's rate depends on how many axes it spans and whether it closes the rings, never
-on a switch domain: no 256-chip cliff. What the torus pays instead is distance — an
-all-to-all crosses the bisection, which grows only as ``N^(2/3)`` (not modelled here: the
-planner's expert all-to-all uses the ring bytes on either topology).
+on a switch domain: no 256-chip cliff. What the torus pays instead is distance: an
+**all-to-all** is bound by the torus's bisection (the scaling book, Part 3, "AllToAll":
+on a bidirectional ring it costs about a quarter of an all-gather of the same array,
+``V / (4·W_ici)``). Cut the group in half across axis ``d`` of extent ``e``: each of the
+``n/2`` ranks on one side sends ``S/n`` to each of the ``n/2`` on the other, ``n·S/4``
+bytes each way, over the ``2·n/e`` links the cut severs on a ring (``n/e`` on a line),
+shared by the ``δ`` interleaved groups: ``e·δ·S / (8W)`` seconds (``e·δ·S / (4W)`` on a
+line). The narrowest cut (largest ``e·δ``) sets the time; the bisection grows only as
+``N^(2/3)`` on a cube, so the all-to-all's time per byte grows as ``N^(1/3)``.
 
 Ranks are numbered with X fastest (``r = x + X·(y + Y·z)``), so the planner's innermost
 axis (TP) lies along X.
@@ -32,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 
-__all__ = ["torus_members", "torus_extents", "torus_rate"]
+__all__ = ["torus_members", "torus_extents", "torus_rate", "torus_all_to_all_rate"]
 
 
 def torus_members(axes, limit: int = 1 << 16) -> list[int]:
@@ -79,3 +85,16 @@ def torus_rate(dims: tuple, link: float, axes) -> tuple[float, int, int]:
         steps += e - 1
         spacing = max(spacing, delta)
     return bw, steps, spacing
+
+
+def torus_all_to_all_rate(dims: tuple, link: float, axes) -> float:
+    """Bytes/s at which one rank's all-to-all send buffer ``S`` drains through the
+    bisection of the group of ``axes`` (before link efficiency): ``S / t`` with ``t =
+    max_d e_d·δ_d·S / (c_d·W)``, ``c_d = 8`` on a closed ring, ``4`` on a line (module
+    docstring; the scaling book's ``V / (4·W_ici)`` for one ring, ``V = e·S``,
+    ``W_ici = 2W``). ``inf`` for a group of one chip."""
+    worst = 0.0
+    for e, delta, wraps in torus_extents(dims, axes):
+        if e > 1:
+            worst = max(worst, e * delta / (8.0 if wraps else 4.0))
+    return link / worst if worst else float("inf")

@@ -191,5 +191,5 @@ def known_defects(cfg: RunConfig) -> list:
     agree."""
     # none open: the last (tensor-parallel bytes under bf16 autocast, where the residual
     # side of each tp region stays fp32) was a wrong prediction, fixed in
-    # labkit.train.metrics._tp_predicted
+    # labkit.train.comm_predict._tp_predicted
     return []

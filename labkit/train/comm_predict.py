@@ -1,0 +1,184 @@
+"""The bytes each collective should move per training step, by mesh axis: the formulas
+:func:`labkit.train.metrics.comm_metrics` sets beside what the rank's trace measured.
+
+Data parallel: the ZeRO paper's 2Ψ / 2Ψ / 3Ψ × (K−1)/K (Rajbhandari et al. 2020); tensor
+parallel: Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2 (sequence parallelism);
+context parallel: :func:`labkit.parallel.context.measure.bytes_formula`; pipeline: one
+boundary activation per cross-rank send of the schedule. Bytes sent by this rank per step.
+"""
+from __future__ import annotations
+
+from ..plan.comm import comm_bytes
+
+
+def _dp_predicted(setup, elem: int) -> dict:
+    """Bytes per collective the data-parallel wrappers should send per step: the ZeRO
+    paper's 2Ψ / 2Ψ / 3Ψ × (K−1)/K, with the flat units' padding, per microbatch where the
+    stage reduce-scatters (2–3) or gathers (3) every microbatch, minus the root unit's
+    backward all-gather that ``keep_last`` saves, plus HSDP's all-reduce across replicas;
+    ZeRO 0 with ``find_unused`` adds each wrapper's used-map all-reduce."""
+    cfg, mg = setup.cfg, setup.mg
+    if not setup.sharded:  # the experts are reduced over their own (edp) group
+        dense = setup.rank_params - sum(p.numel() for p in setup.expert_params)
+        # find_unused: each wrapper also all-reduces its used-map, one fp32 per parameter
+        flags = sum(len(w.params) for w in setup.wrappers
+                    if getattr(w, "find_unused", False) and getattr(w, "axis", None) == "dp")
+        return {"all_reduce": comm_bytes("all_reduce", (dense + flags) * elem,
+                                         mg.size("dp_cp"))}
+    k, m = mg.size("fsdp"), mg.size("dp_replicate")
+    micro = cfg.accum_steps if cfg.zero_stage >= 2 else 1
+    out = {"reduce_scatter": 0.0, "all_gather": 0.0}
+    for w in setup.sharded:
+        size = sum(u.padded for u in w.units) * elem
+        out["reduce_scatter"] += comm_bytes("reduce_scatter", size, k) * micro
+        out["all_gather"] += comm_bytes("all_gather", size, k) * (2 * micro if cfg.zero_stage == 3
+                                                                  else 1)
+        if cfg.zero_stage == 3 and cfg.keep_last and w.root is not None:
+            out["all_gather"] -= comm_bytes("all_gather", w.root.padded * elem, k) * micro
+        if m > 1:
+            out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", size / k, m)
+    tied = setup.tied.param if setup.tied is not None else None
+    if tied is not None and any(p is tied for p in setup.plain_params):
+        tied = tied.numel() * 4  # the tied copy's own DDP all-reduce
+        out["all_reduce"] = out.get("all_reduce", 0.0) + comm_bytes("all_reduce", tied,
+                                                                    mg.size("dp_cp"))
+    return out
+
+
+def _tp_predicted(setup) -> dict:
+    """Tensor-parallel bytes this rank sends per step, by collective (Shoeybi et al. 2019
+    §3; Korthikanti et al. 2022 §4.2 with sequence parallelism), per microbatch:
+
+    * each block: two all-reduces of ``b·s·H`` forward (the row-parallel outputs) and two
+      backward (the column-parallel inputs' gradients), or with SP the same volume as
+      all-gathers (inputs forward, output gradients backward) and reduce-scatters (outputs
+      forward, input gradients backward); again for the forward a recomputing checkpoint
+      policy repeats; plus the all-reduce of the weight gradients held whole on every tp
+      rank (SP's norms; K/V when ``kv_heads < tp``);
+    * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
+      all-gathered back in backward); the head (last stage): its input's gradient
+      all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * with SP each column-parallel input (the block's two, the head's) is all-gathered
+      again in backward: the job keeps the ``S/T`` shard (``regather``);
+    * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
+      fp32 (all-reduces).
+
+    ``s`` is the sequence this rank's attention sees (``S/cp``). Under ``precision="bf16"``
+    the two sides of a tp region differ. A matmul's output (the row-parallel partial sums,
+    and their gradients) is bf16 in both bf16 regimes. The residual side — the embedding's
+    output, the norms' outputs that enter the column-parallel matmuls, and those tensors'
+    gradients — is bf16 only where the weights are (ZeRO's bf16 flat units): under autocast
+    over fp32 weights (ZeRO 0, or one data rank) the embedding lookup and the norm are not
+    autocast ops, so they return fp32 and the residual stream stays fp32, as in one process
+    under autocast (the oracle's bf16 regime). Casting them to bf16 before the collective
+    would round the residual stream and sum the Q/K/V (gate/up) input gradients in bf16: the
+    run would no longer compute what single-process autocast computes. So those
+    collectives move fp32 there, and are counted so."""
+    from ..parallel.tensor.measure import block_bytes_formula, block_weight_grad_bytes
+
+    cfg = setup.cfg
+    mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
+    b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
+    act = 2 if cfg.precision == "bf16" else 4   # matmul outputs and their gradients
+    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs
+    wgt = res
+    u_act = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    u_res = (t - 1) / t * b * s * h * res
+    ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
+    # forward: the two regions' outputs; backward: the two regions' input gradients
+    fwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)["forward"]
+    bwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=res)["backward"]
+    if mc.n_experts:  # the experts stay whole on every tp rank: only attention is split
+        fwd, bwd = fwd / 2, bwd / 2
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    out: dict = {}
+
+    def add(op: str, n: float) -> None:
+        out[op] = out.get(op, 0.0) + n * cfg.accum_steps
+
+    if sp:  # per region: all-gather input (res) + reduce-scatter output (act) forward,
+        # all-gather output gradient (act) + reduce-scatter input gradient (res) backward,
+        # and both column-parallel inputs gathered again in backward (regather): the shard
+        # is kept in the compute dtype, so those move act bytes
+        add("all_gather", layers * ((fwd * res / act + bwd * act / res) / 2 + 2 * u_act))
+        add("reduce_scatter", layers * (fwd + bwd) / 2)
+    else:
+        add("all_reduce", layers * (fwd + bwd))
+    if cfg.checkpoint != "none":
+        # torch's non-reentrant checkpoint stops recomputing once the last activation the
+        # block's backward saved is back: the MLP's output collective is not repeated,
+        # the attention's output and (SP) the two input all-gathers are
+        if sp:
+            add("all_gather", layers * 2 * u_res)
+            add("reduce_scatter", layers * u_act)
+        else:
+            add("all_reduce", layers * 2 * u_act)
+    add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
+                                                       mc.kv_heads, sequence_parallel=sp,
+                                                       bytes_per_elem=wgt))
+    for m in setup.stages.values():
+        if m.is_first:
+            add("reduce_scatter", u_res) if sp else add("all_reduce", 2 * u_res)
+            if sp:
+                add("all_gather", u_res)
+        if m.is_last:
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
+                # the head's input (res), gathered again in backward (compute dtype)
+                add("all_gather", u_res + u_act)
+                add("reduce_scatter", u_res)
+                add("all_reduce", ar(h * wgt))
+            else:
+                add("all_reduce", 2 * u_res)
+            add("all_reduce", ar(3 * b * s * 4))
+    return {op: float(v) for op, v in out.items() if v}
+
+
+def _bf16_weights(setup) -> bool:
+    """The rank computes with bf16 weights: bf16 with ZeRO's flat units (more than one data
+    rank; :func:`labkit.train.data.bf16_parameters`); every other bf16 run autocasts over
+    fp32 weights."""
+    return setup.cfg.precision == "bf16" and bool(setup.sharded)
+
+
+def _cp_predicted(setup) -> dict:
+    """Context-parallel bytes this rank sends per step: each block's attention call, forward
+    and backward (:func:`labkit.parallel.context.measure.bytes_formula`), per microbatch; a
+    recomputing checkpoint policy runs the forward call twice."""
+    from ..parallel.context.measure import bytes_formula
+
+    cfg = setup.cfg
+    mc = cfg.model_config
+    per = bytes_formula(cfg.cp_method, cfg.parallel.cp, batch=cfg.micro,
+                        heads=mc.n_heads // cfg.parallel.tp,
+                        kv_heads=mc.kv_heads // cfg.parallel.tp, seq_len=mc.seq_len,
+                        head_dim=mc.head_dim, elem_bytes=2 if cfg.precision == "bf16" else 4)
+    layers = sum(len(m.layers) for m in setup.stages.values())
+    fwd = per["forward"] * (2 if cfg.checkpoint != "none" else 1)
+    n = layers * cfg.accum_steps
+    if cfg.cp_method == "allgather":  # gather K/V forward, reduce-scatter dK/dV backward
+        return {"all_gather": float(fwd * n), "reduce_scatter": float(per["backward"] * n)}
+    op = "send" if cfg.cp_method == "ring" else "all_to_all"
+    return {op: float((fwd + per["backward"]) * n)}
+
+
+def _pp_predicted(setup) -> dict:
+    """Pipeline bytes this rank sends per step: one ``(b, S/cp, H)`` boundary tensor (fp32,
+    or bf16 with ZeRO's bf16 weights; ``(b, S/(cp·tp), H)`` with sequence parallelism, whose
+    residual stream each tp rank holds a slice of) per cross-rank SEND_F/SEND_B of the
+    schedule, per flush, plus the tied-embedding exchange."""
+    from ..parallel.pipeline.schedules import with_comms
+
+    cfg, mg = setup.cfg, setup.mg
+    mc = cfg.model_config
+    # ZeRO's bf16 flat units hold bf16 weights, so the residual stream a stage hands on is
+    # bf16; under autocast over fp32 weights (ZeRO 0, or ZeRO over one data rank, which
+    # builds no flat units) it stays fp32
+    elem = 2 if _bf16_weights(setup) else 4
+    seq = mc.seq_len // cfg.parallel.cp // (cfg.parallel.tp if cfg.sequence_parallel else 1)
+    act = cfg.micro * seq * mc.d_model * elem
+    sends = sum(1 for a in with_comms(setup.schedule).actions[mg.index("pp")]
+                if a.kind in ("SEND_F", "SEND_B"))
+    out = {"send": float(sends * act * cfg.flushes)}
+    if setup.tied is not None and setup.tied.param is not None:
+        out["send"] += setup.tied.param.numel() * 4
+    return out
