@@ -20,6 +20,10 @@ SHELL := /bin/bash
 .DELETE_ON_ERROR:
 
 PYTHON   ?= python3
+# pip's verbosity for building .venv: -qq shows errors only (a pip config with extra
+# file:// indexes otherwise prints a "Location ... is ignored" warning per package);
+# PIP_QUIET=-q shows warnings too, PIP_QUIET= pip's whole progress
+PIP_QUIET ?= -qq
 VENV     := .venv
 VPY      := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
@@ -45,11 +49,12 @@ help:
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install $(PIP_QUIET) --upgrade pip
 
 # Re-installs whenever pyproject.toml or constraints.txt change.
 $(STAMP): pyproject.toml constraints.txt | $(VPY)
-	$(VPY) -m pip install -q -c constraints.txt -e ".[lab,dev]"
+	@echo "make: installing labkit and the pinned versions of constraints.txt into $(VENV) (minutes on a fresh clone; pip $(PIP_QUIET): errors only, PIP_QUIET=-q adds pip's warnings)"
+	$(VPY) -m pip install $(PIP_QUIET) -c constraints.txt -e ".[lab,dev]"
 	@$(VPY) -c "import importlib.metadata as m, torch, labkit, labkit_widgets; print('torch', torch.__version__, '| labkit', m.version('labkit'))"
 	@touch $@
 

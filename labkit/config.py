@@ -119,7 +119,9 @@ class RunConfig:
         save_dir: folder for snapshots of the whole training state (:mod:`labkit.snapshot`:
             parameters and AdamW state in their shards, step, RNG) written with
             ``torch.distributed.checkpoint``; ``None`` saves nothing. Not activation
-            checkpointing (``checkpoint``).
+            checkpointing (``checkpoint``). The run creates this folder if it is missing,
+            but not its parent: a parent that does not exist is refused (as ``labkit run
+            --trace`` refuses a file in a missing folder).
         save_every: with ``save_dir``, a snapshot after every ``save_every`` steps (``0``:
             only after the last step, which is always saved).
         resume: ``True`` continues from the latest complete snapshot in ``save_dir``; a

@@ -297,7 +297,10 @@ class Trace:
 
     def __repr__(self) -> str:
         span = (max(e.end for e in self.events) - self.t0) if self.events else 0.0
-        return f"Trace({len(self.events)} events, ranks={self.ranks}, span={span:.3f} s)"
+        # the timeline draws the spans; a Chrome trace adds a name entry per track
+        marks = sum(e.cat == MARK for e in self.events)
+        return (f"Trace({len(self.events)} events: {len(self.events) - marks} spans + {marks} "
+                f"marks, ranks={self.ranks}, span={span:.3f} s)")
 
 
 def _jsonable(v):

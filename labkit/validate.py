@@ -176,6 +176,15 @@ def _snapshot(cfg) -> None:
     if cfg.save_dir is not None and (not isinstance(cfg.save_dir, (str, os.PathLike))
                                      or not str(cfg.save_dir)):
         raise ValueError(f"save_dir must be a folder path or None, got {cfg.save_dir!r}")
+    if cfg.save_dir is not None:
+        # like an output file (--trace): the run creates the last folder of the path only,
+        # so a mistyped parent is refused here, not turned into a tree of new folders
+        d = os.path.abspath(cfg.save_dir)
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ValueError(f"save_dir={cfg.save_dir}: that is a file, not a folder")
+        if not os.path.isdir(os.path.dirname(d)):
+            raise ValueError(f"save_dir={cfg.save_dir}: the folder {os.path.dirname(d)} does "
+                             "not exist (the run creates only the last folder of save_dir)")
     _int(cfg, "save_every", 0)
     if cfg.save_every and cfg.save_dir is None:
         raise ValueError(f"save_every={cfg.save_every} has no effect here: set save_dir too")

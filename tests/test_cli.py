@@ -336,6 +336,10 @@ BAD = [
      ["--trace", "/nonexistent-labkit-dir does not exist"]),
     (["--dp", "2", "--trace", "/tmp"], ["--trace /tmp: that is a folder"]),
     (["--dp", "2", "--trace", ""], ["--trace needs a file name"]),
+    # the same rule as --trace: only the last part of the path is created
+    (["--dp", "2", "--save-dir", "/nonexistent-labkit-dir/x"],
+     ["save_dir=/nonexistent-labkit-dir/x", "/nonexistent-labkit-dir does not exist"]),
+    (["--dp", "2", "--save-dir", "/etc/hostname"], ["save_dir", "that is a file"]),
 ]
 
 

@@ -170,3 +170,37 @@ def test_one_legend_names_each_colour_once():
 
     colours = [t.marker.color for t in planned_figure().data]
     assert len(colours) == len(set(colours)), colours
+
+
+def test_the_panel_plans_a_mixture_of_experts_for_tiny_moe_and_ep_is_planned():
+    """A dense lab model is planned on the dense presets; tiny-moe switches the dropdown to
+    the mixture-of-experts presets, so the lab's ep > 1 is planned (it used to be refused on
+    every offered model); each kind keeps the user's last choice."""
+    from labkit.config import RunConfig
+    from labkit_widgets.explorer_planned import MODELS, MOE_MODELS, PlannedPanel
+
+    dense = RunConfig(model="tiny", steps=2, parallel=dict(dp=4))
+    moe = RunConfig(model="tiny-moe", steps=2, parallel=dict(dp=4, ep=2))
+    panel = PlannedPanel(dense)
+    assert panel.model.value == "llama3-8b" and set(panel.model.options) == set(MODELS)
+    panel.update(moe)
+    assert set(panel.model.options) == set(MOE_MODELS) and panel.reason is None
+    assert panel.plan.layout.ep == 2 and panel.plan.model.n_experts > 0
+    panel.set(model="deepseek-v3")
+    panel.update(dense)
+    assert panel.model.value == "llama3-8b" and panel.plan.layout.ep == 1
+    panel.update(moe)
+    assert panel.model.value == "deepseek-v3"
+
+
+def test_a_control_that_holds_values_back_says_why_on_hover():
+    from labkit.config import RunConfig
+    from labkit_widgets import explorer_controls as C
+
+    base = RunConfig(model="tiny-moe", steps=2)
+    values = {**C.initial_values(base), "dp": 4, "ep": 2}
+    a = C.availability(base, values, 4)
+    tip = C.tooltip_now(C.BY_NAME["model"], a["model"])
+    assert a["model"]["offer"] == ["tiny-moe"]
+    assert "not offered now: tiny, small: ep=2 needs a mixture-of-experts model" in tip, tip
+    assert C.tooltip_now(C.BY_NAME["tp"], {"refused": {}}) == C.BY_NAME["tp"].tooltip

@@ -320,6 +320,13 @@ def test_faults_on_the_warm_cluster(cluster2, tmp_path, monkeypatch):
     assert cluster2.faults[-1] is live
     rep = stragglers(slow.trace, threshold_s=0.15, from_step=1)
     assert rep.slow == [0] and rep.lateness_s[0] > 0.15, str(rep)
+    # said in words: which rank, how many collectives it entered last, its latest one
+    late_s, late_step, late_op = rep.worst[0]
+    assert rep.last_count[0] == rep.collectives and late_step >= 1 and late_s >= 0.15
+    assert str(rep).startswith(f"rank 0 is a straggler: the last to enter {rep.collectives} "
+                               f"of the {rep.collectives} collectives from step 1 on,\n"
+                               f"  a median "), str(rep)
+    assert f"(step {late_step}'s {late_op}) {late_s * 1e3:.0f} ms after" in str(rep), str(rep)
     assert stragglers(clean.trace, threshold_s=0.15, from_step=1).slow == []
 
     # a skipped all-reduce: the hang names the op, the group, the seq, the missing rank

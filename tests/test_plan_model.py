@@ -1,4 +1,5 @@
 """labkit.plan models, hardware, layouts and activation memory (pure arithmetic, no torch)."""
+import dataclasses
 import math
 
 import pytest
@@ -197,3 +198,23 @@ def test_sequence_parallelism_needs_tensor_parallelism():
     assert not Layout(tp=1).sp and Layout(tp=2).sp and not Layout(tp=2,
                                                                  sequence_parallel=False).sp
     assert math.isclose(Layout(dp=4, global_batch=32, microbatch=2).microbatches, 4)
+
+
+def test_deepseek_v3_counts_its_published_671b():
+    """DeepSeek-V3's report (§4.2): 671B parameters (its multi-token-prediction module's 14B
+    not included). The preset folds two things into its shape, and says so: the shared
+    expert (a ninth expert every token visits: 3·h·2,048 per MoE layer, not stored) and
+    multi-head latent attention counted as multi-head attention. Put back, the count is the
+    report's; without the first three layers being dense (FFN 18,432, the released config) it
+    was 702B."""
+    m = PLAN_MODELS["deepseek-v3"]
+    h, moe_layers = 7168, 61 - 3
+    shared = moe_layers * 3 * h * 2048
+    # MLA's projections (released config: q rank 1,536, kv rank 512, heads of 128 + 64 rope)
+    mla = h * 1536 + 1536 * 128 * 192 + h * (512 + 64) + 512 * 128 * 256 + 128 * 128 * h
+    assert abs(m.params + shared - 61 * (m.attention_params - mla) - 671e9) < 0.5e9
+    assert abs(dataclasses.replace(m, dense_layers=0).params - 702.2e9) < 0.1e9
+    with pytest.raises(ValueError, match="dense_layers=3 needs experts"):
+        dataclasses.replace(PLAN_MODELS["gpt3-175b"], dense_layers=3, dense_d_ff=10)
+    with pytest.raises(ValueError, match=r"dense_layers must be an int in 0..n_layers=61"):
+        dataclasses.replace(m, dense_layers=62)

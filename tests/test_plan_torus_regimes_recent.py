@@ -95,6 +95,11 @@ def test_c43_every_reported_layout_fits_with_its_stated_axes(recent):  # claim C
         for axis, allowed in r.choices.items():
             assert getattr(L, axis) in allowed, (name, axis)
         assert L.n_gpus == r.n_gpus and 0.2 < p.mfu < 0.85, (name, p.mfu)
+        # the ZeRO stage planned is the one the row states; an FSDP planned as another
+        # stage says why in its note (Llama 3's FSDP does not re-shard after the forward)
+        assert f"ZeRO-{L.zero}" in r.stated + r.note, (name, L.zero, r.stated)
+        if "FSDP" in r.stated and L.zero != 3:
+            assert f"planned as ZeRO-{L.zero}" in r.note, (name, r.note)
     L = {n: x["plan"].layout for n, x in recent.items()}
     assert (L["OLMo 7B"].tp, L["OLMo 7B"].pp, L["OLMo 7B"].zero) == (1, 1, 3)
     assert (L["DeepSeek-V3"].ep, L["DeepSeek-V3"].pp, L["DeepSeek-V3"].tp) == (64, 16, 1)

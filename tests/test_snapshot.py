@@ -170,7 +170,11 @@ def _check_reshard_view(res, files: dict) -> None:
     assert sum(sankey.link.value) == sum(m["snapshot"]["loaded"]["bytes_read"]
                                          for m in res.metrics)
     assert len(sankey.node.label) == len(files) + len(res.metrics)
-    assert snapshot_table(res).count("<tr") == 1 + len(res.metrics)
+    table = snapshot_table(res)   # a resumed run: its load, one row per new rank
+    assert table.count("<tr") == 1 + len(res.metrics) and "saved ranks" in table
+    for m in res.metrics:
+        saved = sorted(int(f[2:].split("_")[0]) for f in m["snapshot"]["loaded"]["reads"])
+        assert f"<td style='padding:2px 8px;text-align:right'>{', '.join(map(str, saved))}</td>" in table
 
 
 def _oracle_after(cfg, steps: int) -> dict:

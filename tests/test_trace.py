@@ -66,3 +66,23 @@ def test_ranks_share_one_clock(cluster2):
     r = cluster2.run(jobs.hello)
     ends = [e.end for e in r.trace.filter(op="all_reduce")]
     assert len(ends) == 2 and abs(ends[0] - ends[1]) < 0.05
+
+
+def test_the_counts_shown_agree():
+    """The trace's repr, the timeline's title and the Chrome file count the same events,
+    each saying what it counts: spans (drawn) + marks = events; the file adds one
+    process-name and two thread-name entries per rank."""
+    from labkit.trace import MARK
+    from labkit_widgets.timeline import TimelineView
+
+    ev = [Event(r, n, "compute", t, t + 1.0, 0) for r in (0, 1) for t, n in ((0.0, "forward"),
+                                                                            (1.0, "backward"))]
+    ev += [Event(r, "all_reduce", "comm", 2.0, 3.0, 0, op="all_reduce", bytes_sent=8.0,
+                 peers=(0, 1)) for r in (0, 1)]
+    ev += [Event(0, "memory-tracked", MARK, 0.0, 0.0, 0)]
+    tr = Trace(ev)
+    assert "Trace(7 events: 6 spans + 1 marks, ranks=[0, 1]" in repr(tr)
+    assert ", 6 spans on " in TimelineView(tr).fig.layout.title.text
+    entries = tr.to_chrome()["traceEvents"]
+    assert len(entries) == len(tr) + 3 * 2
+    assert sum(e["ph"] == "M" for e in entries) == 3 * 2

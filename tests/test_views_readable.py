@@ -58,9 +58,9 @@ def test_step_menu_is_never_blank_and_the_title_gives_the_step_length():
     assert tv.step == 2 and sel.label == "step 2"
     tv.step = None
     assert sel.index == 0 and tv.fig.layout.xaxis.autorange
-    assert " events on 2 ranks" in tv.fig.layout.title.text
+    assert " spans on 2 ranks" in tv.fig.layout.title.text
     one = Trace([e for e in _stepped_trace().events if e.rank == 0 and e.step == 1])
-    assert TimelineView(one).fig.layout.title.text.startswith("1 step: 30.0 ms, 21 events on "
+    assert TimelineView(one).fig.layout.title.text.startswith("1 step: 30.0 ms, 21 spans on "
                                                               "1 rank")
 
 

@@ -252,6 +252,9 @@ class Explorer(W.VBox):
                 if w.value != v:
                     w.value = v
                 w.disabled = busy or not a["applies"] or len(a["offer"]) < 2
+                tip = C.tooltip_now(C.BY_NAME[name], a)
+                if w.tooltip != tip:
+                    w.tooltip = tip
         finally:
             self._quiet = quiet
         self.unavailable.value = C.unavailable_html(

@@ -34,7 +34,7 @@ from labkit.config import RunConfig
 from . import _style as S
 
 __all__ = ["DEFAULTS", "Knob", "KNOBS", "NAMES", "AUTO", "ROWS", "applies", "compose", "check",
-           "availability", "candidates", "initial_values", "RUN_MODELS", "OPEN_LINES", "to_field", "to_control",
+           "availability", "candidates", "tooltip_now", "initial_values", "RUN_MODELS", "OPEN_LINES", "to_field", "to_control",
            "no_effect_reason", "label", "pairs", "make_widget", "unavailable_html"]
 
 #: the control value meaning the field's ``None``
@@ -246,6 +246,18 @@ def availability(base: RunConfig, values: dict, world_size: int,
         out[knob.name] = {"offer": offer, "refused": refused,
                           "applies": applies(knob.name, values)}
     return out
+
+
+def tooltip_now(knob: Knob, avail: dict) -> str:
+    """The control's tooltip with, when it holds values back, which and validate's reason
+    (hovering the model dropdown at ``ep=2`` says why only ``tiny-moe`` is offered)."""
+    if not avail["refused"]:
+        return knob.tooltip
+    groups: dict = {}
+    for v, why in avail["refused"].items():
+        groups.setdefault(_strip(why, knob.name, v), []).append(label(v))
+    return (knob.tooltip + "\nnot offered now: "
+            + "; ".join(f"{', '.join(vs)}: {why}" for why, vs in groups.items()))
 
 
 def candidates(knob: Knob, world_size: int, base: RunConfig, now) -> list:

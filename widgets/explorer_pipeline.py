@@ -71,7 +71,9 @@ def bubble_figure() -> go.Figure:
                marker_color=_EXECUTOR, opacity=0.8,
                hovertemplate="%{x}: +%{y:.1f} % from the executor's hop and dispatch "
                              "time<extra></extra>")],
-        _base(WIDTHS["bubble"], 350, "pipeline bubble", barmode="group",
+        # 420 px: the legend below wraps to three lines in this width, and the plot keeps
+        # half the figure (tests/browser/layout.py's "squashed plot")
+        _base(WIDTHS["bubble"], 420, "pipeline bubble", barmode="group",
               yaxis=dict(title="idle / total, %", rangemode="tozero"),
               legend=dict(orientation="h", y=-0.25, x=0, font_size=11)))
 

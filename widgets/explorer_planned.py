@@ -23,10 +23,10 @@ from labkit.plan import CLUSTERS, MEMORY_CATEGORIES, GiB, cluster_preset, estima
 
 from . import _style as S
 from ._static import StaticFigure, live
-from .planned_scaling import MODELS, RUNTIME, gpu_counts, rule_text, scale
+from .planned_scaling import MODELS, MOE_MODELS, RUNTIME, gpu_counts, rule_text, scale
 
 __all__ = ["PlannedPanel", "planned_figure", "draw_planned", "step_parts", "STEP_PARTS",
-           "MODELS", "RUNTIME", "scale", "gpu_counts", "rule_text"]
+           "MODELS", "MOE_MODELS", "RUNTIME", "scale", "gpu_counts", "rule_text"]
 
 #: the step time's parts, stacked: they add up to the planner's step time
 STEP_PARTS = ("pipeline busy", "bubble", "exposed DP", "network-bound", "optimizer step")
@@ -113,6 +113,10 @@ class PlannedPanel(StaticFigure, W.VBox):
     Args:
         cfg: the ``RunConfig`` the explorer's controls describe now.
         model: a preset of :data:`MODELS` (any :data:`labkit.plan.PLAN_MODELS` name works).
+            The dropdown follows the lab model's kind: dense presets for a dense lab model,
+            :data:`MOE_MODELS` for a mixture of experts (its ``ep`` is then planned); each
+            kind keeps the user's last choice. A dense ``model`` given for an MoE lab model
+            is kept for when the lab model is dense again.
         cluster: a :data:`labkit.plan.CLUSTERS` preset.
         gpus: GPUs to fill (default: 1,024, or the whole cluster when smaller).
 
@@ -140,9 +144,14 @@ class PlannedPanel(StaticFigure, W.VBox):
         if gpus not in counts:
             raise ValueError(f"gpus={gpus!r}: {cluster} offers {counts}")
         style = {"description_width": "initial"}
-        self.model = W.Dropdown(options=sorted(set(MODELS) | {model}, key=_order),
-                                value=model, description="model", style=style,
-                                layout=W.Layout(width="190px"))
+        moe = _lab_moe(cfg)
+        self._choice = {plan_model(model).moe: model}   # the last choice per kind
+        model = self._choice.setdefault(moe, _DEFAULT[moe])
+        self.model = W.Dropdown(options=_options(moe, model), value=model,
+                                description="model", style=style,
+                                tooltip="the planned model: dense presets for a dense lab "
+                                        "model, mixture-of-experts presets for tiny-moe",
+                                layout=W.Layout(width="215px"))   # "qwen1.5-moe-a2.7b"
         self.cluster = W.Dropdown(options=list(CLUSTERS), value=cluster, description="cluster",
                                   style=style, layout=W.Layout(width="200px"))
         self.gpus = W.Dropdown(options=_count_options(counts), value=gpus, description="GPUs",
@@ -166,8 +175,20 @@ class PlannedPanel(StaticFigure, W.VBox):
             self.rule, self.fig]
 
     def update(self, cfg) -> None:
-        """Plan ``cfg`` (the explorer's new configuration) and redraw."""
+        """Plan ``cfg`` (the explorer's new configuration) and redraw; a lab model of the
+        other kind (dense / mixture of experts) swaps the model dropdown to that kind's
+        presets, at the last one chosen there."""
         self.cfg = cfg
+        moe = _lab_moe(cfg)
+        if plan_model(self.model.value).moe != moe:
+            self._choice[not moe] = self.model.value
+            model = self._choice.setdefault(moe, _DEFAULT[moe])
+            self._quiet = True
+            try:
+                self.model.options = _options(moe, model)
+                self.model.value = model
+            finally:
+                self._quiet = False
         self.refresh()
 
     def set(self, model: Optional[str] = None, cluster: Optional[str] = None,
@@ -184,6 +205,7 @@ class PlannedPanel(StaticFigure, W.VBox):
         gpus = gpus if gpus is not None else _nearest(counts, self.gpus.value)
         if gpus not in counts:
             raise ValueError(f"gpus={gpus!r}: {cluster} offers {counts}")
+        self._choice[plan_model(model).moe] = model
         self._quiet = True
         try:
             if model not in self.model.options:
@@ -248,7 +270,22 @@ def _wrap(text: str, width: int) -> list:
 
 
 def _order(name: str) -> tuple:
-    return (MODELS.index(name) if name in MODELS else len(MODELS), name)
+    known = MODELS + MOE_MODELS
+    return (known.index(name) if name in known else len(known), name)
+
+
+#: the planned model first shown for a dense / a mixture-of-experts lab model
+_DEFAULT = {False: "llama3-8b", True: MOE_MODELS[0]}
+
+
+def _lab_moe(cfg) -> bool:
+    """The lab's model is a mixture of experts."""
+    return bool(getattr(cfg.model_config, "n_experts", 0))
+
+
+def _options(moe: bool, model: str) -> list:
+    """The dropdown's presets for a lab model of this kind, with ``model`` among them."""
+    return sorted(set(MOE_MODELS if moe else MODELS) | {model}, key=_order)
 
 
 def _nearest(counts: list, want: int) -> int:

@@ -15,7 +15,9 @@
 What the planner does not model is refused, naming it: the zero-bubble schedules, HSDP
 under ZeRO-1/2, segments of more than one block for ``checkpoint="every"``;
 :func:`labkit.plan.estimate` refuses the rest (e.g. ``tp`` not dividing the heads, or the
-lab's ``ep`` on a dense model: the offered models have no experts).
+lab's ``ep`` on a dense model). The panel offers dense presets (:data:`MODELS`) for a dense
+lab model and mixture-of-experts presets (:data:`MOE_MODELS`) for ``tiny-moe``, so the lab's
+``ep`` is planned.
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ from labkit.mesh import Mesh
 from labkit.plan import cluster_preset, plan_model
 from labkit.plan.layout import SCHEDULES, Layout, layout_from_mesh
 
-__all__ = ["MODELS", "RUNTIME", "scale", "gpu_counts", "rule_text"]
+__all__ = ["MODELS", "MOE_MODELS", "RUNTIME", "scale", "gpu_counts", "rule_text"]
 
-#: models offered (labkit.plan presets)
+#: models offered for a dense lab model (labkit.plan presets)
 MODELS = ("llama3.2-1b", "llama3-8b", "llama3-70b", "llama3-405b", "gpt3-175b")
+#: models offered for a mixture-of-experts lab model (tiny-moe): the lab's ep is planned
+MOE_MODELS = ("qwen1.5-moe-a2.7b", "deepseek-v3")
 #: what the implementation overlaps (labkit.plan.runtime): Llama 3's
 RUNTIME = "llama3-2024"
 

@@ -6,7 +6,8 @@ reported.
   right, a band per (file, rank) as wide as the bytes that rank read from that file.
 * :func:`resume_losses_figure` — an uninterrupted run's losses with the interrupted run's
   and the resumed run's drawn over them (the resume starting where the save was).
-* :func:`snapshot_table` — bytes written and read, seconds, per rank (HTML).
+* :func:`snapshot_table` — a resumed run's load per new rank (the saved ranks it read,
+  bytes, elements kept, seconds), or a run's save per rank (HTML).
 
 Everything comes from ``RunResult.metrics[r]["snapshot"]`` (``saved``: the rank's file and
 bytes; ``loaded``: ``reads`` ``{file: bytes}``, ``bytes_read``, ``seconds``).
@@ -80,47 +81,83 @@ def reshard_figure(result, height: int = 320) -> go.Figure:
     return fig
 
 
+def _run_label(result) -> str:
+    """``"dp2×tp2 ZeRO-1, 4 ranks"``: a run's layout, from its config."""
+    now = {k: v for k, v in result.config.parallel.__dict__.items() if v > 1} or {"dp": 1}
+    z = f" ZeRO-{result.config.zero_stage}" if result.config.zero_stage else ""
+    return "×".join(f"{k}{v}" for k, v in now.items()) + z + f", {len(result.metrics)} ranks"
+
+
 def resume_losses_figure(full, saved, resumed, extra: Optional[dict] = None) -> go.Figure:
     """The uninterrupted run's loss per step, the saving run's steps and the resumed run's
-    (``extra``: more resumed runs by label) drawn over it."""
+    (``extra``: more resumed runs by label) drawn over it.
+
+    Each resumed run is named by its layout (``"resumed on dp2×tp2 ZeRO-1, 4 ranks"``) unless
+    ``extra`` names it. Resumed runs agree to ~1e-7, so their markers would coincide: each is
+    drawn a fixed fraction of a step to the side of the others (dodged, as a grouped bar
+    chart is), its hover giving the true step."""
     fig = go.Figure()
     fig.add_scatter(x=list(range(len(full.losses))), y=full.losses, mode="lines",
                     name="uninterrupted", line=dict(color="#BBBBBB", width=6))
     fig.add_scatter(x=list(range(len(saved.losses))), y=saved.losses, mode="markers",
                     name="before the save", marker=dict(symbol="circle", size=9,
                                                          color=S.COMPUTE_COLORS["forward"]))
-    runs = {"resumed": resumed, **(extra or {})}
-    symbols = ["x", "cross", "diamond", "triangle-up"]
+    runs = {f"resumed on {_run_label(resumed)}": resumed, **(extra or {})}
+    symbols = ["x", "diamond", "triangle-up", "square"]
+    dodge = 0.15
     for i, (label, r) in enumerate(runs.items()):
         start = r.metrics[0].get("first_step", 0)
-        fig.add_scatter(x=list(range(start, start + len(r.losses))), y=r.losses,
+        steps = list(range(start, start + len(r.losses)))
+        off = (i - (len(runs) - 1) / 2) * dodge
+        fig.add_scatter(x=[s + off for s in steps], y=r.losses, customdata=steps,
                         mode="markers", name=label,
+                        hovertemplate="step %{customdata}: loss %{y:.6f}<extra>%{fullData.name}"
+                                      "</extra>",
                         marker=dict(symbol=symbols[i % len(symbols)], size=10))
     fig.update_layout(title="loss: interrupted + resumed over the uninterrupted run",
-                      xaxis_title="step", yaxis_title="loss (nats)", height=320,
+                      xaxis_title="step (resumed runs drawn side by side)",
+                      yaxis_title="loss (nats)", height=340,
                       margin=dict(l=50, r=10, t=40, b=40))
     return fig
 
 
-def snapshot_table(result) -> str:
-    """Per rank: the snapshot file it wrote, bytes and seconds; the bytes it read, from how
-    many files, and seconds (HTML)."""
+def snapshot_table(result, side: Optional[str] = None) -> str:
+    """A resumed run's load (``side="load"``, the default for a run that resumed): per new
+    rank, the saved ranks whose files it read, the bytes read, the elements it keeps and
+    seconds. ``side="save"`` (the default otherwise): per rank, the file it wrote in its
+    latest save, bytes and seconds. HTML.
+
+    Raises:
+        ValueError: ``side`` is not ``"load"``, ``"save"`` or ``None``, or names a side the
+            run did not do.
+    """
+    loaded = any(m.get("snapshot", {}).get("loaded") for m in result.metrics)
+    side = side or ("load" if loaded else "save")
+    if side not in ("load", "save"):
+        raise ValueError(f"side must be 'load' or 'save', got {side!r}")
     rows = []
     for r, m in enumerate(result.metrics):
         snap = m.get("snapshot", {})
-        row = {"rank": r}
-        if snap.get("saved"):
+        if side == "save" and snap.get("saved"):
             s = snap["saved"][-1]
-            row.update(file=s["file"] or "–", written=S.fmt_bytes(s["bytes_written"]),
-                       save_s=f"{s['seconds']:.3f}")
-        if snap.get("loaded"):
+            rows.append({"rank": r, "file": s["file"] or "–", "step": s["step"],
+                         "written": S.fmt_bytes(s["bytes_written"]),
+                         "seconds": f"{s['seconds']:.3f}"})
+        elif side == "load" and snap.get("loaded"):
             x = snap["loaded"]
-            row.update(read=S.fmt_bytes(x["bytes_read"]), files=len(x["reads"]),
-                       load_s=f"{x['seconds']:.3f}")
-        rows.append(row)
-    cols = [(k, k, str) for k in ("rank", "file", "written", "save_s", "read", "files",
-                                  "load_s") if any(k in row for row in rows)]
-    for row in rows:
-        for k, _, _ in cols:
-            row.setdefault(k, "–")
+            saved = sorted(int(h.group(1)) for f in x["reads"] if (h := _FILE.fullmatch(f)))
+            rows.append({"rank": r, "from": ", ".join(map(str, saved)),
+                         "read": S.fmt_bytes(x["bytes_read"]),
+                         "kept": f"{x['elements_needed']:,}",
+                         "seconds": f"{x['seconds']:.3f}"})
+        else:
+            raise ValueError(f"rank {r} of this run has no snapshot {side} to show")
+    if side == "save":
+        cols = [("rank", "rank", str), ("file written", "file", str),
+                ("after step", "step", str), ("bytes", "written", str),
+                ("save s", "seconds", str)]
+    else:
+        cols = [("new rank", "rank", str), ("read the files of saved ranks", "from", str),
+                ("bytes read", "read", str), ("elements kept", "kept", str),
+                ("load s", "seconds", str)]
     return S.table_html(rows, cols, highlight_last=False)

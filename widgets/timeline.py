@@ -243,11 +243,11 @@ def _title(events, ranks, trace, step, flagged) -> str:
         if flagged:
             names = ", ".join(f"step {s} ({w}-tracked)" for s, w in sorted(flagged.items()))
             note = f"<br><sup>shaded: {names}: instrumented, slower by design</sup>"
-        return f"{what}: {length:.1f} ms, {len(events)} events on {_ranks(ranks)}{note}"
+        return f"{what}: {length:.1f} ms, {len(events)} spans on {_ranks(ranks)}{note}"
     start = (lo - trace.t0) * 1e3
     note = (f"<br><sup>step {step} ran {flagged[step]}-tracked: slower by design, not a "
             "step time</sup>" if step in flagged else "")
-    return (f"step {step}: {length:.1f} ms long (from {start:.1f} ms), {len(events)} events "
+    return (f"step {step}: {length:.1f} ms long (from {start:.1f} ms), {len(events)} spans "
             f"on {_ranks(ranks)}{note}")
 
 

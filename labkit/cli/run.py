@@ -5,7 +5,8 @@ and ``--n-layers`` both set ``model``). A flag left out keeps the field's defaul
 command line and a notebook's ``RunConfig(...)`` mean the same run. :func:`resolve` turns
 the parsed arguments into a validated config before any process starts:
 
-1. the output path (``--trace``) is a file in an existing folder;
+1. the output paths exist up to their last part: ``--trace`` is a file in an existing
+   folder, ``--save-dir`` a folder in an existing folder (created if missing);
 2. the degrees: on an own cluster ``dp·tp·pp·cp`` ranks are started; under torchrun they
    must multiply to ``WORLD_SIZE`` (``--dp`` left out takes what the others leave), and
    ``--timeout`` (the own cluster's hang guard) is refused;
@@ -130,7 +131,8 @@ FLAGS: tuple = (
          "gradient and parameter checksums every K steps: silent data corruption "
          "(default 0: off)", _FAULTS, metavar="K"),
     Flag("--save-dir", "save_dir", str, "folder to save the whole training state in "
-         "(every rank its shards, torch.distributed.checkpoint)", _SNAP, metavar="DIR"),
+         "(every rank its shards, torch.distributed.checkpoint); created if missing, but its "
+         "parent folder must exist, as --trace's", _SNAP, metavar="DIR"),
     Flag("--save-every", "save_every", int, "with --save-dir, save after every N steps "
          "(default 0: only after the last step)", _SNAP, metavar="N"),
     Flag("--resume", "resume", str, "continue from the latest snapshot in --save-dir, or "

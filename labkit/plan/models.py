@@ -65,6 +65,11 @@ class PlanModel:
         tie_embeddings: the output head shares the input embedding.
         n_experts: ``E`` experts per block in place of the MLP (0: dense).
         top_k: experts each token is sent to (``k``; only with ``n_experts``).
+        dense_layers: with experts, how many of the first blocks have a dense MLP of
+            ``dense_d_ff`` instead (DeepSeek-V3's first three); they count in
+            :attr:`params` and the FLOPs. Memory and expert parallelism treat every block
+            as a mixture-of-experts block: the fullest pipeline stage holds no dense one.
+        dense_d_ff: the hidden width of those dense MLPs.
         shared_experts: of the ``top_k``, how many are shared experts every token computes
             on its own rank (folded in as experts always chosen): they are not dispatched.
         core_head_dim: the per-head width the attention core multiplies by, where it is
@@ -92,6 +97,8 @@ class PlanModel:
     tie_embeddings: bool = False
     n_experts: int = 0
     top_k: int = 1
+    dense_layers: int = 0
+    dense_d_ff: int = 0
     shared_experts: int = 0
     node_limit: int = 0
     core_head_dim: int = 0
@@ -114,6 +121,13 @@ class PlanModel:
             raise ValueError(f"PlanModel.n_experts must be an int >= 0, got {e!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (e and k > e):
             raise ValueError(f"PlanModel.top_k must be an int in 1..n_experts={e}, got {k!r}")
+        d, f = self.dense_layers, self.dense_d_ff
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= self.n_layers:
+            raise ValueError(f"PlanModel.dense_layers must be an int in 0..n_layers="
+                             f"{self.n_layers}, got {d!r}")
+        if d and (not e or isinstance(f, bool) or not isinstance(f, int) or f < 1):
+            raise ValueError(f"PlanModel.dense_layers={d} needs experts (n_experts={e}) and "
+                             f"a dense_d_ff >= 1, got dense_d_ff={f!r}")
         if not 0 <= self.shared_experts < k or self.node_limit < 0:
             raise ValueError(f"PlanModel.shared_experts must be in 0..top_k-1={k - 1} and "
                              f"node_limit >= 0, got {self.shared_experts!r}, "
@@ -200,7 +214,17 @@ class PlanModel:
     def params(self) -> int:
         """Every parameter: blocks, embeddings, head, final norm."""
         final_norm = self.d_model * (1 if self.norm == "rmsnorm" else 2)
-        return self.n_layers * self.layer_params + self.embedding_params + final_norm
+        return (self.n_layers * self.layer_params + self.embedding_params + final_norm
+                - self.dense_layers * (self._moe_mlp_params - self._dense_mlp_params))
+
+    @property
+    def _moe_mlp_params(self) -> int:
+        return self.router_params + self.layer_expert_params
+
+    @property
+    def _dense_mlp_params(self) -> int:
+        """One dense block's MLP (:attr:`dense_layers`), biases left out as in the experts'."""
+        return self.mlp_matrices * self.d_model * self.dense_d_ff
 
     @property
     def head_matmul_params(self) -> int:
@@ -219,7 +243,9 @@ class PlanModel:
         """Model FLOPs of one training token (forward + backward, no recomputation):
         ``6·(L·N_layer + h·V) + 12·L·a·d·s``, ``N_layer`` the weights the token multiplies
         by (:attr:`layer_matmul_params`: with experts the router and ``k`` experts)."""
-        dense = 6.0 * (self.n_layers * self.layer_matmul_params + self.head_matmul_params)
+        moe_mlp = self.router_params + self.top_k * self.expert_params
+        dense = 6.0 * (self.n_layers * self.layer_matmul_params + self.head_matmul_params
+                       - self.dense_layers * (moe_mlp - self._dense_mlp_params))
         return dense + self.attention_flops_per_token(seq_len)
 
     def with_seq_len(self, seq_len: int) -> "PlanModel":
@@ -292,15 +318,18 @@ _recent("deepseek-67b", n_layers=95, d_model=8192, n_heads=64, n_kv_heads=8, d_f
                "released config")
 _recent("deepseek-v3", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, d_ff=2048,
         vocab_size=129280, seq_len=4096, n_experts=256, top_k=9, shared_experts=1,
-        node_limit=4, core_head_dim=160,
+        node_limit=4, core_head_dim=160, dense_layers=3, dense_d_ff=18432,
         source="DeepSeek-AI 2024 (DeepSeek-V3 Technical Report) §4.2: 61 layers, hidden 7,168, "
                "128 heads, 1 shared + 256 routed experts of hidden 2,048, 8 routed per token, "
-               "vocabulary 129,280, sequence 4,096; 671B parameters, 37B active. Folded in: "
-               "the shared expert as a ninth expert every token visits (its FLOPs exact, its "
-               "44M parameters per layer left out), the first three dense layers as MoE "
-               "layers, multi-head latent attention's projections as multi-head attention's "
-               "(its core multiplies by 128 heads of 192 query-key and 128 value widths: "
-               "core_head_dim 160, §2.1.1); node-limited routing to at most 4 nodes (§2.1.2)")
+               "the first three layers dense (FFN 18,432, from the released config), "
+               "vocabulary 129,280 (untied head), sequence 4,096; 671B parameters, 37B "
+               "active, the multi-token-prediction module's 14B not included. Folded in: the "
+               "shared expert as a ninth expert every token visits (its FLOPs exact, its 44M "
+               "parameters per layer, 2.6B in all, left out), multi-head latent attention's "
+               "projections as multi-head attention's (1.1B more parameters; its core "
+               "multiplies by 128 heads of 192 query-key and 128 value widths: core_head_dim "
+               "160, §2.1.1): 669.6B counted; node-limited routing to at most 4 nodes "
+               "(§2.1.2)")
 _recent("qwen-14b", n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13696,
         vocab_size=152064, seq_len=2048,
         source="Bai et al. 2023 (Qwen Technical Report), Table 1: 14B: hidden 5,120, 40 heads, "

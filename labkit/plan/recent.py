@@ -168,8 +168,12 @@ RECENT = (
              note="batch not given: 2 sequences of 8,192 per data shard assumed"),
     Reported("Llama 3 405B", "llama3-405b", "llama3-24k", 8192, 2048,
              {"tp": (8,), "pp": (16,), "zero": (1,)},
-             "TP 8 inside a server, PP 16 across, DP 64 (FSDP), CP only for long context; "
-             "430 TFLOP/s per GPU",
+             "TP 8 inside a server, PP 16 across, DP 64 (FSDP, the weights not re-sharded "
+             "after the forward), CP only for long context; 430 TFLOP/s per GPU",
              "Dubey et al. 2024 (The Llama 3 Herd of Models) §3.3.2, Table 4 row 1",
-             reported_tflops=430.0),
+             reported_tflops=430.0,
+             note="FSDP that does not re-shard after the forward gathers each weight once a "
+                  "step and holds the stage's whole weights through it, as ZeRO-1 does: "
+                  "planned as ZeRO-1 (its replicated gradients make the memory an upper "
+                  "bound)"),
 )

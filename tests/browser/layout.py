@@ -20,6 +20,12 @@ outputs: ``{"cell", "output", "kind", "detail", "explorer"}`` where kind is
   fixed range stretched the axis);
 * ``"annotation outside plot"`` — an annotation placed in data coordinates whose drawn box
   leaves its subplot's plot area (along the axes it is placed on);
+* ``"overprinted labels"`` — two annotations drawn over each other;
+* ``"squashed plot"`` — a figure with axes whose plot area is under half its height (the
+  margins, e.g. a title's default top margin in a short figure, take the rest);
+* ``"hidden markers"`` — every marker of a trace of two or more markers lies within 3 px of
+  a marker of another trace (two runs that agree drawn at the same x: the reader sees one;
+  a single marker drawn over another is a highlight, not counted);
 * ``"label under legend"`` — a tick label, axis title, title or annotation that the legend
   box covers;
 * ``"hidden scroll"`` — an element of an output that clips or scrolls its content
@@ -115,6 +121,33 @@ _JS_PROBLEMS = r"""(squeeze) => {
       if (bad.length)
         add('annotation outside plot', `"${title(gd)}": annotation "${String(a.text)
             .replace(/<[^>]+>/g, ' ').slice(0, 40)}" leaves the plot area along ${bad.join(', ')}`);
+    });
+    // two annotations printed over each other (labels of two nearby reference lines)
+    const notes = (fl.annotations || []).map((a, i) => [a, gd.querySelector(`.annotation[data-index="${i}"]`)])
+      .filter(([a, g]) => a.visible !== false && g && g.getBoundingClientRect().width)
+      .map(([a, g]) => [String(a.text).replace(/<[^>]+>/g, ' ').slice(0, 30), g.getBoundingClientRect()]);
+    for (let i = 0; i < notes.length; i++)
+      for (let j = i + 1; j < notes.length; j++)
+        if (overlap(notes[i][1], notes[j][1]) > 4)
+          add('overprinted labels', `"${title(gd)}": annotations "${notes[i][0]}" and "${notes[j][0]}" overlap`);
+    // a plot area squeezed by the margins (a title's default top margin in a short figure)
+    if (axes.length && fl._size && fl._size.h < 0.5 * fl.height)
+      add('squashed plot', `"${title(gd)}": the plot area is ${Math.round(fl._size.h)} px `
+          + `of a ${Math.round(fl.height)} px figure (margins t ${fl.margin.t}, b ${fl.margin.b})`);
+    // a trace's markers all drawn at the points of another trace: one hides the other
+    const pts = Array.from(gd.querySelectorAll('.scatterlayer .trace')).map(tr => {
+      const d = tr.__data__ && tr.__data__[0] && tr.__data__[0].trace;
+      const c = Array.from(tr.querySelectorAll('.points path.point')).map(p => {
+        const r = p.getBoundingClientRect(); return [r.left + r.width / 2, r.top + r.height / 2];
+      }).filter(([x, y]) => isFinite(x) && isFinite(y));
+      return [d ? String(d.name) : '?', c];
+    }).filter(([, c]) => c.length > 1);   // one marker over another is a highlight ("now")
+    pts.forEach(([nm, c], i) => {
+      const other = pts.find(([, c2], j) => j !== i
+          && c.every(([x, y]) => c2.some(([x2, y2]) => Math.hypot(x - x2, y - y2) < 3)));
+      if (other)
+        add('hidden markers', `"${title(gd)}": every marker of "${nm}" lies on one of `
+            + `"${other[0]}"`);
     });
     // a label under the legend
     const leg = gd.querySelector('.legend .bg');

@@ -21,7 +21,7 @@ PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 def _log_vline(fixed: bool) -> go.Figure:
     # notebook 06 §9's bug: add_vline on a log axis puts its label at 10^x
     fig = go.Figure(go.Scatter(x=[1, 2, 4, 8, 16, 32], y=[1, 0.9, 0.8, 0.7, 0.4, 0.3]))
-    fig.update_layout(xaxis_type="log", width=500, height=300)
+    fig.update_layout(xaxis_type="log", width=500, height=300, margin=dict(t=40, b=40))
     if fixed:
         fig.add_vline(x=8, line_dash="dot")
         fig.add_annotation(x=0.903, xref="x", y=1, yref="paper", text="8", showarrow=False,
@@ -35,7 +35,7 @@ def _legend_over_labels(fixed: bool) -> go.Figure:
     x = [["rank 0"] * 4 + ["rank 1"] * 4, ["tp AG", "tp RS", "dp AR", "ep A2A"] * 2]
     fig = go.Figure([go.Bar(x=x, y=[1, 2, 3, 4] * 2, name="measured"),
                      go.Bar(x=x, y=[1, 2, 3, 4] * 2, name="formula")])
-    fig.update_layout(width=420, height=350, margin=dict(b=40))
+    fig.update_layout(width=420, height=350, margin=dict(t=30, b=40))
     if fixed:
         fig.update_layout(showlegend=False)
     else:
@@ -45,9 +45,60 @@ def _legend_over_labels(fixed: bool) -> go.Figure:
 
 def _data_annotation(fixed: bool) -> go.Figure:
     fig = go.Figure(go.Scatter(x=[0, 1, 2], y=[0, 1, 2]))
-    fig.update_layout(width=400, height=300, xaxis_range=[-0.1, 2.1])  # a range set by hand
+    fig.update_layout(width=400, height=300, xaxis_range=[-0.1, 2.1],  # a range set by hand
+                      margin=dict(t=30, b=40))
     fig.add_annotation(x=2 if not fixed else 1, y=1, text="a note",
                        showarrow=False, xanchor="left" if not fixed else "center")
+    return fig
+
+
+def _vline_labels(fixed: bool) -> go.Figure:
+    # notebook 11's goodput figure: two optima a minute apart, each vline labelled, in a
+    # short figure under a title's default top margin
+    fig = go.Figure(go.Scatter(x=list(range(1, 181)), y=[1 - abs(t - 19) / 400 for t in
+                                                        range(1, 181)]))
+    fig.update_layout(title="goodput", width=600, height=320)
+    if fixed:
+        for name, x, dash in (("Young", 19.3, "dot"), ("Daly", 18.4, "dash")):
+            fig.add_scatter(x=[x, x], y=[0.6, 1], mode="lines", name=name,
+                            line=dict(dash=dash))
+        fig.update_layout(margin=dict(t=40, b=40))
+    else:
+        for name, x in (("Young", 19.3), ("Daly", 18.4)):
+            fig.add_vline(x=x, line_dash="dot", annotation_text=name)
+    return fig
+
+
+def _coinciding_markers(fixed: bool) -> go.Figure:
+    # notebook 11's resume plot: two resumed runs that agree to 1e-7, at the same steps
+    fig = go.Figure()
+    for i, name in enumerate(("resumed on dp2×tp2", "resumed on pp2")):
+        off = (i - 0.5) * 0.15 if fixed else 0
+        fig.add_scatter(x=[3 + off, 4 + off, 5 + off], y=[2.5, 2.4, 2.3], mode="markers",
+                        name=name, marker=dict(size=10))
+    fig.update_layout(width=600, height=320, margin=dict(t=30, b=40))
+    return fig
+
+
+def _resume_figure() -> go.Figure:
+    """Notebook 11's resume plot as labkit_widgets draws it, from stand-in results: two
+    resumed runs whose losses agree (the gallery does not run that notebook's resumes)."""
+    from types import SimpleNamespace as NS
+
+    from labkit.config import RunConfig
+    from labkit_widgets.snapshot_view import resume_losses_figure
+
+    losses = [5.5, 5.2, 4.9, 4.7, 4.5, 4.4]
+
+    def run(first, n, **par):
+        cfg = RunConfig(model="tiny", steps=6).replace(**par)
+        return NS(losses=losses[first:first + n], config=cfg,
+                  metrics=[{"first_step": first}] * cfg.parallel.world_size)
+
+    fig = resume_losses_figure(run(0, 6, dp=4), run(0, 3, dp=4),
+                               run(3, 3, dp=2, tp=2, zero_stage=1),
+                               extra={"resumed on pp2, 2 ranks": run(3, 3, pp=2)})
+    fig.update_layout(width=830)
     return fig
 
 
@@ -71,7 +122,10 @@ def test_each_planted_problem_is_reported_and_no_twin_is(browser_page):
     items = [("fig", _log_vline(False)), ("fig", _log_vline(True)),
              ("fig", _legend_over_labels(False)), ("fig", _legend_over_labels(True)),
              ("fig", _data_annotation(False)), ("fig", _data_annotation(True)),
-             ("html", SCROLL.format(h="8em")), ("html", SCROLL.format(h="none"))]
+             ("html", SCROLL.format(h="8em")), ("html", SCROLL.format(h="none")),
+             ("fig", _vline_labels(False)), ("fig", _vline_labels(True)),
+             ("fig", _coinciding_markers(False)), ("fig", _coinciding_markers(True)),
+             ("fig", _resume_figure())]
     page = browser_page
     page.set_viewport_size({"width": 1280, "height": 900})
     page.set_content(_page(items))
@@ -81,4 +135,6 @@ def test_each_planted_problem_is_reported_and_no_twin_is(browser_page):
     problems = layout_problems(page)
     found = {(p["cell"], p["kind"]) for p in problems}
     assert found == {(0, "squeezed data"), (2, "label under legend"),
-                     (4, "annotation outside plot"), (6, "hidden scroll")}, problems
+                     (4, "annotation outside plot"), (6, "hidden scroll"),
+                     (8, "overprinted labels"), (8, "squashed plot"),
+                     (10, "hidden markers")}, problems

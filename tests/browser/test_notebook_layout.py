@@ -15,12 +15,16 @@ Beyond what a control shows, every figure is checked for data squeezed into a fr
 its axis, an annotation outside its plot, a label under the legend, and any output that
 scrolls or clips content it holds (tests/browser/layout.py).
 
+``LABKIT_GALLERY=11,13`` builds the gallery from those notebooks only (checking one
+notebook's fix; the Explorer's and the second states are driven where their notebook is in).
+
 Screenshots of every widget output land in tests/artifacts/gallery-<notebook>-<cell>.png
 and every problem found, with its notebook, in tests/artifacts/gallery-layout.json.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -67,14 +71,28 @@ REPORTED_ONLY = {"wrapped line"}
 #: problems in a notebook's own figure code, left to that notebook's fix (issue 25); each
 #: (notebook, kind, a words of the detail). Remove an entry once its notebook is fixed.
 #: (notebook, kind, title) of a finding accepted for now, each with its reason; empty: none
-KNOWN: tuple = ()
+KNOWN: tuple = (
+    # found by the checks added with notebook 11's figure fixes; each notebook's own figure
+    # code, left to the pass over notebooks 00-10 (reported, not fixed here)
+    ("04_activation_checkpointing.ipynb", "hidden markers", '"none calls" lies on one of'),
+    ("04_activation_checkpointing.ipynb", "hidden markers", '"selective calls" lies on one of'),
+    ("04_activation_checkpointing.ipynb", "hidden markers", '"backward" lies on one of "recompute"'),
+    ("07_context_parallel.ipynb", "squashed plot", "causal attention work per rank"),
+    ("09_expert_parallel.ipynb", "squashed plot", "choices per expert over all ranks"),
+    ("09_expert_parallel.ipynb", "squashed plot", "capacity factor"),
+    ("10_nd_parallelism.ipynb", "squashed plot", "Llama 3 405B, rank 1024"),
+)
 
 
 @pytest.fixture(scope="module")
 def gallery(start_jupyter, tmp_path_factory):
     """``(server, origin)``: JupyterLab rooted at a directory holding gallery.ipynb."""
     root = tmp_path_factory.mktemp("gallery")
-    nb, origin = gallery_notebook(sorted(NOTEBOOKS.glob("*.ipynb")))
+    # LABKIT_GALLERY=11,13: only those notebooks' views (checking one notebook's fix)
+    only = [n.strip() for n in os.environ.get("LABKIT_GALLERY", "").split(",") if n.strip()]
+    paths = [p for p in sorted(NOTEBOOKS.glob("*.ipynb"))
+             if not only or p.name.split("_")[0] in only]
+    nb, origin = gallery_notebook(paths)
     nbformat.write(nb, root / "gallery.ipynb")
     return start_jupyter(root), origin
 
@@ -86,7 +104,7 @@ def _cell(page, index: int):
 def _find_cell(page, needle: str) -> int:
     sources = page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets
         .map(c => c.model.sharedModel.getSource())""")
-    return next(i for i, src in enumerate(sources) if needle in src)
+    return next((i for i, src in enumerate(sources) if needle in src), None)
 
 
 def _press(page, cell_index: int, label: str, key: str, times: int = 1) -> None:
@@ -145,18 +163,22 @@ def test_every_view_fits_its_cell_at_1280(gallery, browser_page, artifacts_dir):
     shots = _screenshots(page, origin, artifacts_dir, page.evaluate(_JS_VIEW_CELLS))
 
     # second states: a long checkpointing schedule, and a collective on three ranks
+    # (each where its notebook is in the gallery: see LABKIT_GALLERY)
     full = _find_cell(page, 'CheckpointView(n_layers=8, strategy="full")')
-    _press(page, full, "N", "ArrowRight", times=6)
-    _wait_text(page, full, "N=64")
+    if full is not None:
+        _press(page, full, "N", "ArrowRight", times=6)
+        _wait_text(page, full, "N=64")
     ring = _find_cell(page, 'CollectiveView(cluster, op="all_reduce", algorithm="ring")')
-    _press(page, ring, "N", "ArrowLeft")
-    _wait_text(page, ring, "N=3")
+    if ring is not None:
+        _press(page, ring, "N", "ArrowLeft")
+        _wait_text(page, ring, "N=3")
     settle_plots(page)
     problems += [p for p in layout_problems(page) if p not in problems]
-    shots += _screenshots(page, origin, artifacts_dir, [full, ring], suffix="-after")
+    shots += _screenshots(page, origin, artifacts_dir, [i for i in (full, ring) if i is not None],
+                          suffix="-after")
 
     explorer = _find_cell(page, "explorer = Explorer(")
-    for name, code in EXPLORER_STATES:
+    for name, code in EXPLORER_STATES if explorer is not None else ():
         status = page.evaluate(_JS_EXEC, f"assert {code} is not None, explorer.last_error")
         assert status == "ok", f"explorer {name}: {status}"
         settle_plots(page)
