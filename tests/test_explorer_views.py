@@ -133,10 +133,10 @@ def test_the_model_control_reruns_and_offers_ep_only_for_experts():
     assert model.value == "tiny-moe"
     assert "model=tiny" in _plain(ex.unavailable.value)
     ex.set(ep=1)
-    # the ViT reads digits; with tp > 1 it is refused, saying why
+    # the ViT reads digits; with pp > 1 it is refused, saying why
     assert ex.set(model="vit-digits") is not None
     assert fake.configs[-1].dataset == "digits" and fake.configs[-1].model == "vit-digits"
     assert ex.set(model="tiny") is not None and fake.configs[-1].dataset == "text"
-    ex.set(dp=2, tp=2)
+    ex.set(dp=2, pp=2)
     assert "vit-digits" in _plain(ex.unavailable.value)
-    assert "data parallelism only" in _plain(ex.unavailable.value)
+    assert "pipeline and expert parallelism are not built" in _plain(ex.unavailable.value)
