@@ -187,7 +187,9 @@ def history_html(rows: list) -> str:
     if not body:
         body.append(f"<tr><td colspan='{len(HISTORY_COLUMNS)}' style='color:{S.MUTED}'>"
                     "no runs yet</td></tr>")
-    return ("<div style='max-width:100%;max-height:16em;overflow:auto'>"
+    # no height limit: a scroll box hid the older runs behind a scrollbar the browser may
+    # not draw; the table is the explorer's last element, so growing pushes nothing down
+    return ("<div style='max-width:100%'>"
             "<table class='labkit-history' style='border-collapse:collapse;font-size:12px'>"
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(reversed(body))}</tbody>"
             "</table></div>")
