@@ -61,8 +61,11 @@ def layout_string(cfg) -> str:
 
 
 def knobs_string(cfg) -> str:
-    """The other knobs that differ from their defaults, briefly (``"µb2 full bf16"``)."""
+    """The other knobs that differ from their defaults, briefly (``"µb2 full bf16"``);
+    a lab model other than ``tiny`` first, so two models' runs of one layout differ."""
     out = []
+    if cfg.model != "tiny":
+        out.append(cfg.model if isinstance(cfg.model, str) else (cfg.model.name or "custom"))
     if cfg.accum_steps > 1 and cfg.parallel.pp == 1:
         out.append(f"µb{cfg.micro}")
     if cfg.zero_stage == 3 and not cfg.prefetch:
