@@ -41,6 +41,7 @@ from .nodes import DEFAULT_INTER_NODE, PLACEMENTS, EmulatedNetwork, node_of, par
 from .preflight import check_world_size
 from .result import JobCancelled, RankError, RunResult
 from .startup import Startup, spawn_ranks
+from .validate import ConfigError
 from .worker import job_reference
 
 __all__ = ["Cluster", "RunResult", "RankError", "JobCancelled", "job_reference"]
@@ -80,8 +81,11 @@ class Cluster(JobRunner):
             own, which neither replaces nor is replaced (several pools of one size).
 
     Raises:
-        ValueError: a bad world size, backend or device, ``nodes`` not dividing
-            ``world_size``, or a bad ``inter_node`` rate, before any process starts.
+        ConfigError: (a ``ValueError``; in a notebook its sentence shows without a
+            traceback) a bad world size, backend or device, more CPU ranks than
+            :func:`~labkit.preflight.check_world_size` allows, or ``nodes`` not dividing
+            ``world_size``, before any process starts.
+        ValueError: a bad ``inter_node`` rate.
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto", device: str = "auto",
@@ -92,30 +96,30 @@ class Cluster(JobRunner):
         import torch
 
         if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
         if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+            raise ConfigError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if backend == "auto":
             backend = "nccl" if (device != "cpu" and gpus >= world_size) else "gloo"
         if device == "auto":
             device = "cuda" if backend == "nccl" else "cpu"
         if (backend == "nccl" or device == "cuda") and gpus < world_size:
-            raise ValueError(f"backend={backend!r}/device={device!r} needs one GPU per rank: "
+            raise ConfigError(f"backend={backend!r}/device={device!r} needs one GPU per rank: "
                              f"world_size={world_size} but {gpus} GPU(s) are visible")
         if backend == "nccl" and device != "cuda":
-            raise ValueError("backend 'nccl' needs device 'cuda'")
+            raise ConfigError("backend 'nccl' needs device 'cuda'")
         if backend == "gloo" and device != "cuda":
             check_world_size(world_size)  # CPU ranks: at most a few per core
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+            raise ConfigError(f"nodes must be a positive int, got {nodes!r}")
         if world_size % nodes:
-            raise ValueError(f"nodes={nodes} must divide world_size={world_size} (the same "
+            raise ConfigError(f"nodes={nodes} must divide world_size={world_size} (the same "
                              f"number of ranks in every node)")
         if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            raise ConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.nodes, self.inter_node = nodes, parse_rate(inter_node)
         self.placement = placement
         self.latency_ms = latency_ms

@@ -21,6 +21,7 @@ from .faults.watch import CollectiveHang, FaultEvent, RankDied, Watch
 from .preflight import check_run_fits
 from .result import JobCancelled, RankError, RunResult
 from .trace import Trace, unpack_events
+from .validate import ConfigError
 from .worker import check_config, job_reference
 
 __all__ = ["JobRunner"]
@@ -44,8 +45,9 @@ class JobRunner:
         Raises:
             TypeError: the job is not importable by the ranks, the config is not of the class
                 the job's config parameter is annotated with, or it is not picklable.
-            ValueError: the config is invalid for this cluster (from its ``validate``), or
-                (CPU ranks) its model state cannot fit the memory this machine has now.
+            ConfigError: (a ``ValueError``) the config is invalid for this cluster (from its
+                ``validate``), ``nranks`` is out of range, or (CPU ranks) its model state
+                cannot fit the memory this machine has now.
             RankError: a rank raised; the pool is restarted.
             TimeoutError: the job ran too long, or the ranks could not start; the pool is
                 restarted.
@@ -66,7 +68,7 @@ class JobRunner:
             par = getattr(config, "parallel", None)
             nranks = getattr(par, "world_size", None) or self.world_size
         if not 1 <= nranks <= self.world_size:
-            raise ValueError(f"nranks={nranks} must be between 1 and the cluster's "
+            raise ConfigError(f"nranks={nranks} must be between 1 and the cluster's "
                              f"world_size={self.world_size}")
         if type(config).__module__ in ("__main__", "__mp_main__"):
             raise TypeError(f"config of type {type(config).__name__} is defined in __main__ "

@@ -1,13 +1,17 @@
 """Checks made before any rank process starts: how many ranks the machine can hold, where
 output files go, and whether the model state fits in memory.
 
-Each raises ``ValueError`` naming the field and the numbers, so a notebook cell or the CLI
-reports the mistake at once instead of after spawning, training or exhausting memory.
+Each raises :class:`~labkit.validate.ConfigError` (a ``ValueError``) naming the field and
+the numbers, so a notebook cell or the CLI reports the mistake at once instead of after
+spawning, training or exhausting memory; in a notebook the sentence shows alone, without
+preflight's frames.
 """
 from __future__ import annotations
 
 import os
 from typing import Optional
+
+from .validate import ConfigError
 
 __all__ = ["MAX_RANKS_PER_CORE", "PROCESS_BYTES", "cpu_cores", "machine_memory_bytes", "check_world_size",
            "check_output_path", "check_model_state_fits", "check_run_fits"]
@@ -49,12 +53,12 @@ def check_world_size(n: int, field: str = "world_size", shown: Optional[str] = N
     replaces ``field=n`` in the message (e.g. ``dp x pp = 2 x 32 = 64``).
 
     Raises:
-        ValueError: e.g. ``pp=64 would start 64 rank processes on 2 CPU cores ...``.
+        ConfigError: e.g. ``pp=64 would start 64 rank processes on 2 CPU cores ...``.
     """
     cores = cpu_cores()
     limit = MAX_RANKS_PER_CORE * cores
     if n > limit:
-        raise ValueError(f"{shown or f'{field}={n}'} would start {n} rank processes on "
+        raise ConfigError(f"{shown or f'{field}={n}'} would start {n} rank processes on "
                          f"{cores} CPU cores; "
                          f"at most {MAX_RANKS_PER_CORE} per core ({limit}) run here, since "
                          "more would only time the sharing of the cores")
@@ -64,15 +68,15 @@ def check_output_path(path: Optional[str], flag: str) -> None:
     """Refuse an output file whose folder does not exist, or that names a folder.
 
     Raises:
-        ValueError: naming ``flag`` and the path.
+        ConfigError: naming ``flag`` and the path.
     """
     if not path:
         return
     if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: that is a folder; give a file name inside it")
+        raise ConfigError(f"{flag} {path}: that is a folder; give a file name inside it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
 
 
 def check_model_state_fits(total_bytes: float, what: str, fraction: float = 0.9) -> None:
@@ -80,11 +84,11 @@ def check_model_state_fits(total_bytes: float, what: str, fraction: float = 0.9)
     exceed ``fraction`` of the memory available now.
 
     Raises:
-        ValueError: naming both sizes in GB.
+        ConfigError: naming both sizes in GB.
     """
     mem = machine_memory_bytes()
     if mem and total_bytes > fraction * mem:
-        raise ValueError(f"{what} needs about {total_bytes / 1e9:.1f} GB before activations, "
+        raise ConfigError(f"{what} needs about {total_bytes / 1e9:.1f} GB before activations, "
                          f"more than {fraction:.0%} of the {mem / 1e9:.1f} GB this machine has "
                          "available; use a smaller model or fewer ranks")
 
@@ -103,7 +107,7 @@ def check_run_fits(cfg) -> None:
     what cannot fit.
 
     Raises:
-        ValueError: from :func:`check_world_size` (naming the degrees) or
+        ConfigError: from :func:`check_world_size` (naming the degrees) or
             :func:`check_model_state_fits`.
     """
     mesh, mc, p = cfg.mesh, cfg.model_config, cfg.parallel

@@ -67,3 +67,38 @@ def test_every_rule_raises_config_error_and_except_valueerror_still_catches_it()
             cfg.validate(4)
         except ValueError as exc:  # notebooks and widgets catch ValueError
             assert type(exc) is ConfigError
+
+
+def test_preflight_refusals_are_config_errors_shown_alone(shell, capsys, tmp_path):
+    """Preflight's refusals (too many CPU ranks, an output path that cannot be written, a
+    model that cannot fit memory) and the Cluster's own argument checks are ConfigErrors:
+    in IPython the sentence alone, no preflight or cluster frames; still ValueErrors."""
+    from labkit import preflight
+
+    too_many = preflight.MAX_RANKS_PER_CORE * preflight.cpu_cores() + 1
+    shell.run_cell("import labkit as lk")
+    for code, sentence in (
+            (f"lk.Cluster(world_size={too_many})",
+             f"world_size={too_many} would start {too_many} rank processes"),
+            ("lk.Cluster(world_size=0)", "world_size must be a positive int, got 0"),
+            ("lk.Cluster(world_size=4, nodes=3)", "nodes=3 must divide world_size=4")):
+        result, text = _run(shell, capsys, code)
+        err = result.error_in_exec
+        assert type(err) is ConfigError and sentence in str(err), (code, err)
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        assert lines == [f"ConfigError: {err}"], text
+        assert "Traceback" not in text and "preflight.py" not in text, text
+
+    big = lk.RunConfig(global_batch=too_many).replace(dp=too_many)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for call, sentence in (
+            (lambda: preflight.check_run_fits(big),
+             f"dp={too_many} would start {too_many} rank processes"),
+            (lambda: preflight.check_output_path(str(folder), "--json"), "that is a folder"),
+            (lambda: preflight.check_output_path(str(folder / "no" / "t.json"), "--trace"),
+             "does not exist"),
+            (lambda: preflight.check_model_state_fits(1e18, "model huge"),
+             "model huge needs about 1000000000.0 GB before activations")):
+        with pytest.raises(ConfigError, match=re.escape(sentence)):
+            call()

@@ -534,7 +534,7 @@ def test_figures_say_what_they_show():
 
 
 def test_history_rows_and_table():
-    from labkit_widgets.explorer_figures import HISTORY_COLUMNS, layout_string
+    from labkit_widgets.explorer_figures import HISTORY_COLUMNS, knobs_string, layout_string
 
     ex = _explorer(FakeCluster(world_size=4), RunConfig(global_batch=8).replace(dp=4))
     ex.set(dp=2)
@@ -553,6 +553,9 @@ def test_history_rows_and_table():
     assert layout_string(cfg) == "dp2·pp2·Z3·1f1b M4"
     assert layout_string(cfg.replace(schedule="interleaved", zero_stage=1, hsdp_replicas=2)) \
         == "dp2·pp2·Z1·HSDP2·interleaved M4 V2"
+    # two lab models' runs of one layout read differently in the table
+    assert knobs_string(RunConfig(model="tiny-moe", global_batch=8).replace(dp=2)) == "tiny-moe"
+    assert knobs_string(cfg) == ""
 
 
 def test_a_measured_configuration_reuses_its_memory():

@@ -61,8 +61,11 @@ def layout_string(cfg) -> str:
 
 
 def knobs_string(cfg) -> str:
-    """The other knobs that differ from their defaults, briefly (``"µb2 full bf16"``)."""
+    """The other knobs that differ from their defaults, briefly (``"µb2 full bf16"``);
+    a lab model other than ``tiny`` first, so two models' runs of one layout differ."""
     out = []
+    if cfg.model != "tiny":
+        out.append(cfg.model if isinstance(cfg.model, str) else (cfg.model.name or "custom"))
     if cfg.accum_steps > 1 and cfg.parallel.pp == 1:
         out.append(f"µb{cfg.micro}")
     if cfg.zero_stage == 3 and not cfg.prefetch:
@@ -187,7 +190,9 @@ def history_html(rows: list) -> str:
     if not body:
         body.append(f"<tr><td colspan='{len(HISTORY_COLUMNS)}' style='color:{S.MUTED}'>"
                     "no runs yet</td></tr>")
-    return ("<div style='max-width:100%;max-height:16em;overflow:auto'>"
+    # no height limit: a scroll box hid the older runs behind a scrollbar the browser may
+    # not draw; the table is the explorer's last element, so growing pushes nothing down
+    return ("<div style='max-width:100%'>"
             "<table class='labkit-history' style='border-collapse:collapse;font-size:12px'>"
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(reversed(body))}</tbody>"
             "</table></div>")

@@ -67,7 +67,8 @@ def table(rows: Sequence[dict]):
         for what in ("µs", "algbw", "busbw"):
             t.add_column(f"{a} {what}", justify="right")
     if len(algos) > 1:
-        t.add_column(f"{algos[1]}/{algos[0]} busbw", justify="right")
+        # spaced, so rich wraps the header in its narrow column instead of cutting it ("ring/na…")
+        t.add_column(f"{algos[1]} / {algos[0]} busbw", justify="right")
     cells = {(r["n"], r["bytes"], r["algorithm"]): r for r in rows}
     for n, b in sorted({(r["n"], r["bytes"]) for r in rows}):
         line = [str(n), fmt_size(b)]

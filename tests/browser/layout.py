@@ -62,10 +62,23 @@ _JS_PROBLEMS = r"""(squeeze) => {
       if (!ax.visible || !['linear', 'log'].includes(ax.type) || !ax.range) continue;
       const letter = ax._id[0];
       let lo = Infinity, hi = -Infinity, n = 0;
+      // stacked bars reach the sum of their segments at one position, not any one value
+      const stacked = ['stack', 'relative'].includes(fl.barmode), tops = new Map();
       for (const t of gd._fullData) {
         if (t.visible !== true || !['scatter', 'scattergl', 'bar'].includes(t.type)) continue;
         if ((letter === 'x' ? t.xaxis : t.yaxis) !== ax._id) continue;
         let vals = arr(t[letter]);
+        if (t.type === 'bar' && stacked && t.base == null
+            && letter === (t.orientation === 'h' ? 'x' : 'y')) {
+          const pos = arr(t[letter === 'y' ? 'x' : 'y']);
+          vals.forEach((v, i) => {
+            if (v == null || !isFinite(+v)) return;
+            const key = JSON.stringify([pos[i] ?? i, t.offsetgroup || '']);
+            const [neg, posSum] = tops.get(key) || [0, 0];
+            tops.set(key, +v < 0 ? [neg + +v, posSum] : [neg, posSum + +v]);
+          });
+          continue;
+        }
         if (t.type === 'bar' && letter === (t.orientation === 'h' ? 'x' : 'y')) {
           const base = t.base, out = [];  // a bar spans base .. base + value
           vals.forEach((v, i) => {
@@ -78,6 +91,12 @@ _JS_PROBLEMS = r"""(squeeze) => {
         for (let v of vals) {
           if (v == null || v === '' || !isFinite(+v)) continue;
           v = +v;
+          if (ax.type === 'log') { if (v <= 0) continue; v = Math.log10(v); }
+          lo = Math.min(lo, v); hi = Math.max(hi, v); n++;
+        }
+      }
+      for (const [neg, posSum] of tops.values()) {
+        for (let v of [neg, posSum]) {
           if (ax.type === 'log') { if (v <= 0) continue; v = Math.log10(v); }
           lo = Math.min(lo, v); hi = Math.max(hi, v); n++;
         }

@@ -102,6 +102,16 @@ def _resume_figure() -> go.Figure:
     return fig
 
 
+def _stacked(fixed: bool) -> go.Figure:
+    # the explorer's memory bars: four segments of about 1 stacked to 4, each under 30 % of
+    # the axis; squeezed only when the range reaches far past the stacks' tops
+    fig = go.Figure([go.Bar(x=["rank 0", "rank 1"], y=[1.0, 1.1], name=n)
+                     for n in ("parameters", "gradients", "optimizer", "activations")])
+    fig.update_layout(barmode="stack", width=400, height=300,
+                      yaxis_range=[0, 4.6] if fixed else [0, 20])
+    return fig
+
+
 def _page(items) -> str:
     cells = []
     for i, (kind, payload) in enumerate(items):
@@ -125,7 +135,8 @@ def test_each_planted_problem_is_reported_and_no_twin_is(browser_page):
              ("html", SCROLL.format(h="8em")), ("html", SCROLL.format(h="none")),
              ("fig", _vline_labels(False)), ("fig", _vline_labels(True)),
              ("fig", _coinciding_markers(False)), ("fig", _coinciding_markers(True)),
-             ("fig", _resume_figure())]
+             ("fig", _resume_figure()),
+             ("fig", _stacked(False)), ("fig", _stacked(True))]
     page = browser_page
     page.set_viewport_size({"width": 1280, "height": 900})
     page.set_content(_page(items))
@@ -137,4 +148,4 @@ def test_each_planted_problem_is_reported_and_no_twin_is(browser_page):
     assert found == {(0, "squeezed data"), (2, "label under legend"),
                      (4, "annotation outside plot"), (6, "hidden scroll"),
                      (8, "overprinted labels"), (8, "squashed plot"),
-                     (10, "hidden markers")}, problems
+                     (10, "hidden markers"), (13, "squeezed data")}, problems
