@@ -107,7 +107,7 @@ def _stacked(fixed: bool) -> go.Figure:
     # the axis; squeezed only when the range reaches far past the stacks' tops
     fig = go.Figure([go.Bar(x=["rank 0", "rank 1"], y=[1.0, 1.1], name=n)
                      for n in ("parameters", "gradients", "optimizer", "activations")])
-    fig.update_layout(barmode="stack", width=400, height=300,
+    fig.update_layout(barmode="stack", width=400, height=300, margin=dict(t=30, b=40),
                       yaxis_range=[0, 4.6] if fixed else [0, 20])
     return fig
 
