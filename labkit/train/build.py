@@ -233,6 +233,22 @@ def _tensor_parallel(setup: RankSetup) -> None:
         setup.tp_info = apply_tensor_parallel(m, mg.group("tp"),
                                               sequence_parallel=cfg.sequence_parallel,
                                               regather=cfg.sequence_parallel, seq_len=seq)
+    _retie_vocab_shard(setup)
+
+
+def _retie_vocab_shard(setup: RankSetup) -> None:
+    """A V schedule (zb-v, dualpipe-v) puts the first and the last stage on one rank, where
+    the tied head *is* the embedding Parameter — but tensor parallelism converts each stage
+    on its own, so each would get its own vocabulary shard and the tie would silently break
+    (the head's gradient never reaching ``tok_emb.weight``, and no :class:`TiedEmbedding`
+    exchange either, as both stages share a rank). Both shards hold the same rows
+    ``[rank·V'/T, (rank+1)·V'/T)`` of the same table, so the head takes the embedding's."""
+    if not setup.cfg.model_config.tie_embeddings or setup.schedule is None:
+        return
+    first, last = 0, setup.schedule.n_stages - 1
+    if first in setup.stages and last in setup.stages:
+        emb, head = setup.stages[first].tok_emb, setup.stages[last].head
+        head.weight = emb.weight
 
 
 def _context_parallel(setup: RankSetup) -> None:
