@@ -290,6 +290,12 @@ MUTANTS = [
            "        split, half = False, r // 2",
            "DualPipeV's cool-down starts its split backwards one pair early on odd ranks",
            ("tests/test_pipeline_dualpipe.py -k order",)),
+    Mutant("tp_v_tied_head_own_shard", "labkit/train/build.py",
+           "    _retie_vocab_shard(setup)\n",
+           "    pass\n",
+           "tp x a V schedule: the tied head keeps its own vocabulary shard on the rank holding "
+           "both ends, so its gradient never reaches the embedding",
+           ("tests/test_pipeline_dualpipe.py -k tied",)),
     Mutant("dualpipe_w_dropped", "labkit/parallel/pipeline/schedules.py",
            "                seq.append(wq.pop(0))",
            "                wq.pop(0)",
