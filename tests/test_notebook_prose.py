@@ -162,7 +162,7 @@ NOT_ABOUT_VALUES_ON_SCREEN = {
     ("00", "With `dp=4` each rank takes a quarter"): "a promise notebook 02's parity cells check",
     ("00", "The last step ran under torch's `MemTracker`"): TIMING,
     ("01", "Whether the ratio rises or falls"): TIMING,
-    ("01", "the ones whose algorithm inside gloo takes more"): TIMING,
+    ("01", "How far under 1 each row lands is not fixed"): TIMING,
     ("02", "ZeRO (notebook 03) removes the replication"): "points to notebook 03, checked there",
     ("02", "2018 (*An Empirical Model of Large-Batch Training*)"): "McCandlish et al.'s law, "
                                                                    "quoted; the cell after "

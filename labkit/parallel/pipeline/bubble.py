@@ -206,21 +206,24 @@ class BubbleReport:
                 for r, (b, i, p) in enumerate(zip(self.busy, self.idle, self.predicted.idle))]
 
     def summary(self) -> str:
-        """One line: measured bubble, the simulation on this machine (with its measured
-        terms) and their gap, the unit-cost bubble, the MFU ceiling, and where the ranks
-        shared cores, the flush time processor sharing predicts beside the measured one."""
+        """Three lines (each under 100 characters, to fit a notebook cell): the measured
+        bubble beside the simulation on this machine and their gap; the simulation's measured
+        terms and the unit-cost bubble; the MFU ceiling and, where the ranks shared cores, the
+        flush time processor sharing predicts beside the measured one."""
         s = self.schedule
         terms = ([f"executor {1e3 * self.executor_s:.2f} ms/action"] if self.executor_s
                  else []) + [f"message {1e3 * self.comm_s:.2f} ms/hop"]
+        pad = " " * 12
         out = (f"{s.name:11s} P={s.pp} M={s.microbatches} V={s.virtual}: bubble measured "
                f"{self.bubble:6.1%}, simulated on this machine {self.predicted.bubble:6.1%} "
-               f"(gap {self.gap_pp:+.1f} pp; measured stage costs, {', '.join(terms)}), "
-               f"unit costs {self.unit.bubble:.1%}; MFU ceiling {self.mfu_ceiling:.1%}")
+               f"(gap {self.gap_pp:+.1f} pp)\n"
+               f"{pad}simulated with measured stage costs, {', '.join(terms)}; "
+               f"unit costs {self.unit.bubble:.1%}\n"
+               f"{pad}MFU ceiling {self.mfu_ceiling:.1%}")
         if self.shared is not None:
             out += (f"; ranks got {self.cores:.2f} cores: flush {1e3 * self.window:.1f} ms, "
                     f"{1e3 * self.shared.makespan:.1f} ms with processor sharing")
         return out
-
 
 def bubble_bands(report: BubbleReport) -> list:
     """The measured bubble as a waterfall of named bands, for a figure.
