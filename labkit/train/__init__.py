@@ -29,18 +29,20 @@ import torch
 from .. import comm
 from ..config import RunConfig
 from ..faults import inject
-from ..models import build_model
-from ..models.data import make_batch
 from ..parallel.dp import unique_parameters
 from ..snapshot.folder import ObjectiveChangeWarning
 from .build import RankSetup, build_rank
 from .cache import measured
 from .data import local_rows, rank_batch, tokens_per_sample
 from .experts import ep_predicted, recording, routing_summary
+# the returned state and gradients, and the single-process reference, live in their own
+# modules; their names stay importable from here
+from .gather import _full, _gather, _grab_grads, _named, _rank_state  # noqa: F401
 from .metrics import (comm_metrics, flops_and_mfu, memory_metrics, overlap_fraction,
                       predicted_memory, run_steps, steady_step_time)
 from .planned import planned_state
 from .noise_scale import NoiseScaleMeter
+from .single_process import reference, token_groups  # noqa: F401
 from .step import make_step
 
 __all__ = ["run", "reference", "flat_params", "local_rows", "rank_batch", "run_steps",
@@ -226,126 +228,3 @@ def _global_losses(ctx, setup: RankSetup, shares: list) -> list:
     finally:
         ctx.tracer.enabled = enabled
     return t.tolist()
-
-
-def _named(setup: RankSetup, fn_param, fn_wrapper) -> dict:
-    """``{full name: fp32 CPU tensor}`` over this rank's stages, at the full model's shapes:
-    ``fn_wrapper(w)`` gathers a sharded stage over its ZeRO shard group (``{local name:
-    tensor}``), ``fn_param(p)`` reads the rest; tensor-parallel shards are then gathered over
-    the tp group (collective: every rank calls this)."""
-    out = {}
-    sharded = {id(w.module): w for w in setup.sharded}
-    for s in sorted(setup.stages):
-        m = setup.stages[s]
-        local = {}
-        if id(m) in sharded:
-            local = {n: t.detach().float() for n, t in fn_wrapper(sharded[id(m)]).items()}
-        for name, p in unique_parameters(m):
-            if name not in local:
-                v = fn_param(p)
-                if v is not None:
-                    local[name] = v
-        info = getattr(m, "tp_info", None)
-        experts = {n for n, q in unique_parameters(m) if any(q is e for e in setup.expert_params)}
-        for name, t in local.items():
-            if name in experts:  # each rank holds E/ep of the stacked experts
-                t = _gather(setup, "ep", t, 0, None)
-            if info is None:
-                out[getattr(m, "full_name", lambda n: n)(name)] = t.cpu().clone()
-            else:
-                full, dim, size = info.shards[name]
-                out[full] = _gather(setup, "tp", t, dim, size)
-    if "tok_emb.weight" in out and setup.cfg.model_config.tie_embeddings:
-        if any(getattr(m, "head", None) is not None for m in setup.stages.values()):
-            out.setdefault("head.weight", out["tok_emb.weight"])  # one parameter, two names
-    return out
-
-
-def _gather(setup: RankSetup, axis: str, t: torch.Tensor, dim, size) -> torch.Tensor:
-    """A shard rebuilt to its full shape: all-gathered over the ``axis`` group along ``dim``
-    and cut to ``size`` (tensor parallelism's vocabulary padding dropped; ``None`` keeps
-    all). ``dim=None`` or a degree-1 axis returns ``t`` as it is."""
-    n = setup.mg.size(axis)
-    if dim is None or n == 1:
-        return t.float().cpu().clone()
-    x = t.transpose(0, dim).contiguous() if dim else t.contiguous()
-    buf = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(buf, x, group=setup.mg.group(axis), axis=axis)
-    buf = buf.transpose(0, dim) if dim else buf
-    return (buf if size is None else buf.narrow(dim, 0, size)).float().cpu().clone()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A parameter or gradient as a plain fp32 tensor on its device (FSDP2's DTensors
-    gathered)."""
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return t.detach().float()
-
-
-def _rank_state(setup: RankSetup) -> dict:
-    return _named(setup, _full, lambda w: w.full_state_dict())
-
-
-def _grab_grads(setup: RankSetup, out: dict, tracer):
-    def grab(step: int) -> None:
-        if step != 0:
-            return
-        # reading the gradients for the caller gathers shards: not the step's traffic
-        enabled, tracer.enabled = tracer.enabled, False
-        try:
-            out["grads"] = _named(setup, lambda p: None if p.grad is None else _full(p.grad),
-                                  lambda w: w.full_grads())
-        finally:
-            tracer.enabled = enabled
-    return grab
-
-
-def token_groups(cfg) -> torch.Tensor:
-    """Which forward of the parallel run sees each token of a global batch: int64
-    ``(global_batch, S)``, one id per (data rank, microbatch, context rank). A
-    mixture-of-experts layer's load-balancing loss and capacity are computed per group, so
-    the single-process reference groups tokens exactly as the ranks do."""
-    from ..parallel.context.layout import chunk_ids, n_chunks
-
-    mc, p = cfg.model_config, cfg.parallel
-    b, s = cfg.global_batch, mc.seq_len
-    row = torch.arange(b)
-    micro_id = (row % cfg.local_batch) // cfg.micro + (row // cfg.local_batch) * cfg.accum_steps
-    owner = torch.zeros(s, dtype=torch.long)
-    if p.cp > 1:
-        chunk = s // n_chunks(p.cp, cfg.cp_zigzag)
-        for r in range(p.cp):
-            for c in chunk_ids(r, p.cp, cfg.cp_zigzag):
-                owner[c * chunk:(c + 1) * chunk] = r
-    return micro_id[:, None] * p.cp + owner[None, :]
-
-
-def reference(cfg, device: str = "cpu") -> dict:
-    """Single-process training on the same global batches: ``{"losses", "state",
-    "grads"}`` — ``state`` the final parameters and ``grads`` the first step's gradients,
-    by name (every name of the model, a tied head under both names).
-
-    No communication, no wrapper, no checkpointing, fp32: the ground truth.
-    """
-    mc = cfg.model_config
-    model = build_model(mc, device=device, seed=cfg.seed)
-    if mc.n_experts:
-        from ..models.moe import set_token_groups
-
-        set_token_groups(model, token_groups(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            eps=cfg.adam_eps)
-    losses, grads = [], {}
-    for s in range(cfg.steps):
-        x, y = make_batch(cfg, s)
-        loss = model(x.to(device), y.to(device))
-        loss.backward()
-        if s == 0:
-            grads = {n: p.grad.detach().float().cpu().clone()
-                     for n, p in model.named_parameters(remove_duplicate=False)}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    state = {n: p.detach().float().cpu().clone()
-             for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "state": state, "grads": grads}
