@@ -88,6 +88,14 @@ def test_the_drawn_flush_title_gives_that_flush_length_and_idle():
     text = drawn_flush(sim.spans, 2, scale=1.0, unit="units")
     want = ", ".join(f"{i:.1f}" for i in sim.idle)
     assert text == f"the last flush: {sim.makespan:.1f} units, idle per rank {want} units"
+    # ranks idle for different times: rank 0 loses its first span (makespan − its busy)
+    first = min((sp for sp in sim.spans if sp.rank == 0), key=lambda sp: sp.start)
+    spans = [sp for sp in sim.spans if sp is not first]
+    idle = [sim.makespan - sum(sp.end - sp.start for sp in spans if sp.rank == r)
+            for r in (0, 1)]
+    assert idle[0] > idle[1]
+    assert drawn_flush(spans, 2, scale=1.0, unit="units").endswith(
+        f"idle per rank {idle[0]:.1f}, {idle[1]:.1f} units")
 
 
 @pytest.mark.distributed
