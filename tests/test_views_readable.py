@@ -201,6 +201,29 @@ def test_chain_tick_labels_thin_out_at_n_64():
     assert view.fig.data[0].marker.size * 65 <= 600  # squares fit side by side
 
 
+def test_dense_actions_are_stems_not_markers_that_hide_each_other():
+    """At N = 64 (full) the actions lie under 4 px apart on the action axis: a marker per
+    action would sit on its neighbour's (backward's on recompute's); each action is then a
+    stem from 0 to its stored units, its kind's colour, with its units on hover."""
+    from labkit_widgets import CheckpointView
+    from labkit_widgets.checkpoint_view import DENSE_ACTIONS, OP_COLORS
+
+    view = CheckpointView(n_layers=8, strategy="full")
+    ops = view.fig.data[3:3 + len(OP_COLORS)]
+    assert {d.mode for d in ops} == {"markers"}
+    view.set(n_layers=64)
+    steps = view.result.steps
+    assert len(steps) > DENSE_ACTIONS and {d.mode for d in ops} == {"lines"}
+    units = [s.bytes // view.result.unit_bytes for s in steps]
+    for d, (op, color) in zip(ops, OP_COLORS.items()):
+        assert d.line.color == color and d.name == op
+        xs, ys = list(d.x), list(d.y)
+        for j in range(0, len(xs), 3):  # (k, 0) → (k, units of action k), then a break
+            assert xs[j] == xs[j + 1] and ys[j] == 0 and ys[j + 1] == units[xs[j]]
+            assert xs[j + 2] is None and d.text[j + 1].endswith(f", {units[xs[j]]}")
+    assert sum(len(d.x) for d in ops) == 3 * len(steps)  # every action, once
+
+
 def test_two_views_keep_their_own_strategy():
     from labkit_widgets import CheckpointView
 
