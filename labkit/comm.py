@@ -114,6 +114,7 @@ def _run(op_name, cat, call, *, group, axis, sent, recv, peers, async_op, finish
     handle = Handle(call(True), event, finish, tensors, before,  # the only reference to the work
                     recorded=slot)
     if async_op:
+        handle.note_done()
         return handle
     handle.wait()
     return None

@@ -40,6 +40,24 @@ class Handle:
         if work is not None and tensors and before is not None:
             self._tensors = tuple(zip((weakref.ref(t) for t in tensors), before))
 
+    def note_done(self) -> None:
+        """For an op left in flight: record in its event's ``args`` when the backend
+        finished it (``"done"``, a future callback on the backend's thread) and, in
+        :meth:`wait`, when the caller started waiting (``"waited"``). A timeline can then
+        tell the transfer from the time the op sat finished, and from the caller's block
+        (``end − waited``). gloo gives no future for send/recv: those get ``"waited"`` only."""
+        event, tracer = self._event, self._tracer
+        if event is None or tracer is None or self._work is None:
+            return
+        event.args["async"] = True
+
+        def done(_fut, args=event.args, now=tracer.now):
+            args["done"] = now()
+        try:
+            self._work.get_future().add_done_callback(done)
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo's send/recv)
+            pass
+
     @property
     def work(self):
         """The underlying ``torch.distributed`` work object (for ``get_future()``)."""
@@ -49,6 +67,8 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        if self._event is not None and self._event.args.get("async"):
+            self._event.args["waited"] = self._tracer.now() if self._tracer else None
         if self._work is not None:
             self._work.wait()
             if self._tensors:

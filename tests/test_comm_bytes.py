@@ -27,3 +27,11 @@ def test_native_bytes_are_labelled_formula_and_p2p_bytes_measured(cluster2):
         ring = [e for e in evs if span.start <= e.start <= span.end]
         assert sum(e.bytes_sent for e in ring) == 16
         assert all(e.args["bytes"] == "measured" for e in ring)
+        # a call left in flight records when the backend finished it (a future callback)
+        # and when its caller began to wait; gloo's send/recv have no future: no "done"
+        sync_ar, async_ar = [e for e in evs if e.op == "all_reduce"][:2]
+        assert "async" not in sync_ar.args and async_ar.args["async"] is True
+        assert async_ar.start <= async_ar.args["done"]
+        assert async_ar.start <= async_ar.args["waited"] <= async_ar.end
+        p2p = next(e for e in evs if e.args.get("async") and e.cat == "p2p")
+        assert "done" not in p2p.args and p2p.start <= p2p.args["waited"] <= p2p.end

@@ -168,5 +168,8 @@ def test_the_problem_stays_fixed_as_cp_moves(ring, cluster4):
     shown.set(method="ring")
     shown.set(method="ulysses")
     assert shown.report["bytes"] == before
+    ring.set(method="ring", cp=1)  # one rank: nothing is sent, so nothing is "hidden"
+    assert "no communication" in ring.status.value
+    assert "hidden under compute" not in ring.status.value
     with pytest.raises(ValueError, match="cp=3 does not split S=512"):
         ContextParallelView(None, cp=3)

@@ -75,6 +75,27 @@ def test_flush_bubbles_and_status_table():
                  "1.00 MiB"):
         assert text in html, text
     assert "labkit-status-ok" in html and "#2E7D32" not in html  # not a green wall of text
+    assert "idle per rank, ms (mean over 2 flushes)" in html  # not the drawn flush's idle
+
+
+def test_the_drawn_flush_title_gives_that_flush_length_and_idle():
+    """The measured panel draws one flush; its title gives that flush's own length and idle
+    per rank (the status table's are means over flushes): checked against the simulator's
+    makespan and idle for the same spans."""
+    from labkit_widgets.pipeline_view import drawn_flush
+
+    sim = simulate(build("gpipe", 2, 4), {"F": 1.0, "B": 2.0, "W": 0.0}, comm=0.1)
+    text = drawn_flush(sim.spans, 2, scale=1.0, unit="units")
+    want = ", ".join(f"{i:.1f}" for i in sim.idle)
+    assert text == f"the last flush: {sim.makespan:.1f} units, idle per rank {want} units"
+    # ranks idle for different times: rank 0 loses its first span (makespan − its busy)
+    first = min((sp for sp in sim.spans if sp.rank == 0), key=lambda sp: sp.start)
+    spans = [sp for sp in sim.spans if sp is not first]
+    idle = [sim.makespan - sum(sp.end - sp.start for sp in spans if sp.rank == r)
+            for r in (0, 1)]
+    assert idle[0] > idle[1]
+    assert drawn_flush(spans, 2, scale=1.0, unit="units").endswith(
+        f"idle per rank {idle[0]:.1f}, {idle[1]:.1f} units")
 
 
 @pytest.mark.distributed
@@ -144,6 +165,8 @@ def test_a_run_far_longer_than_its_simulation_gets_its_own_time_axis():
             assert tuple(lay.xaxis.range) == pytest.approx((0, sim_end * stretch * v._scale))
             assert tuple(lay.xaxis2.range) == pytest.approx((0, sim_end * v._scale))
             assert "its own time axis" in lay.annotations[0].text
+            assert f"the last flush: {sim_end * stretch * v._scale:.1f} " \
+                in lay.annotations[0].text
             assert "its own time axis" in lay.annotations[1].text
         else:
             assert lay.xaxis.matches == "x2" and lay.xaxis.showticklabels is False

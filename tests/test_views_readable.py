@@ -75,6 +75,53 @@ def test_twenty_back_to_back_all_reduces_alternate_in_shade():
         assert all(a != b for a, b in zip(shades, shades[1:])), "neighbours look the same"
 
 
+def _in_flight_trace() -> Trace:
+    """Rank 0's bucketed step: 20 all-reduces issued 1 ms apart during a 30 ms backward,
+    finished by the backend 2 ms apart (``done``), all collected from 40 ms (``waited``),
+    each wait() returning at its finish or at once; and a pipeline send issued at 0 ms,
+    waited for at 45 ms, returning at 46 ms (gloo reports no completion for send/recv)."""
+    ev = [Event(0, "backward", "compute", 0.0, 0.030, 0)]
+    for k in range(20):
+        done, waited = 0.005 + 0.002 * k, 0.040 + 0.0001 * k
+        ev.append(Event(0, "all_reduce", "comm", 0.001 * k, max(done, waited) + 1e-5, 0,
+                        op="all_reduce", bytes_sent=64, peers=(0, 1),
+                        args={"async": True, "done": done, "waited": waited}))
+    ev.append(Event(0, "send", "p2p", 0.0, 0.046, 0, op="send", bytes_sent=64, axis="pp",
+                    peers=(1,), args={"async": True, "waited": 0.045}))
+    return Trace(ev)
+
+
+def test_calls_left_in_flight_draw_one_bar_each_and_the_waits_apart():
+    """Twenty overlapping bucket all-reduces: one bar each, none overlapping, each ending
+    where the backend finished it, with the whole issue..wait() span a faint line behind;
+    a send collected at the end of the flush: a hatched bar for the part its caller
+    waited, not one solid bar over the step; every bar's hover gives issue, finish, wait."""
+    from labkit_widgets.timeline import _FAMILIES, timeline_traces
+
+    tr = _in_flight_trace()
+    cols, _layout = timeline_traces(tr, step=0)
+    by = {fam: c for (_k, fam), c in zip(_FAMILIES, cols)}
+    ar, p2p, line = by["all_reduce"], by["p2p"], by["in flight"]
+    bars = sorted(zip(ar["base"], ar["x"]))
+    assert len(bars) == 20
+    assert all(b0 + x0 <= b1 + 1e-9 for (b0, x0), (b1, _) in zip(bars, bars[1:]))
+    calls = sorted((e for e in tr.events if e.op == "all_reduce"), key=lambda e: e.start)
+    assert [b + x for b, x in bars] == pytest.approx([1e3 * e.args["done"] for e in calls])
+    assert set(ar["marker.pattern.shape"]) == {""}  # a measured finish: not hatched
+    (b,), (x,) = p2p["base"], p2p["x"]
+    assert (b, b + x) == pytest.approx((45.0, 46.0))
+    assert p2p["marker.pattern.shape"] == ["/"]
+    assert "the caller waited" in p2p["hovertext"][0]
+    # the recorded spans, issue to wait(), stay drawn: a faint line per call
+    got = [v for bx in sorted(zip(line["base"], line["x"])) for v in bx]
+    want = [v for bx in sorted((1e3 * e.start, 1e3 * e.duration)
+                               for e in tr.events if e.cat != "compute") for v in bx]
+    assert got == pytest.approx(want)
+    for text in ar["hovertext"] + p2p["hovertext"] + line["hovertext"]:
+        assert "issued " in text and "waited for from " in text and "wait() returned" in text
+    assert all("finished " in t for t in ar["hovertext"])
+
+
 def test_instrumented_step_is_shaded_named_and_not_drawn_as_a_bar():
     from labkit_widgets import TimelineView
 
@@ -152,6 +199,29 @@ def test_chain_tick_labels_thin_out_at_n_64():
     labels = int((ax.range[1] - max(ax.range[0], 0)) // ax.dtick) + 1
     assert labels <= 17, labels
     assert view.fig.data[0].marker.size * 65 <= 600  # squares fit side by side
+
+
+def test_dense_actions_are_stems_not_markers_that_hide_each_other():
+    """At N = 64 (full) the actions lie under 4 px apart on the action axis: a marker per
+    action would sit on its neighbour's (backward's on recompute's); each action is then a
+    stem from 0 to its stored units, its kind's colour, with its units on hover."""
+    from labkit_widgets import CheckpointView
+    from labkit_widgets.checkpoint_view import DENSE_ACTIONS, OP_COLORS
+
+    view = CheckpointView(n_layers=8, strategy="full")
+    ops = view.fig.data[3:3 + len(OP_COLORS)]
+    assert {d.mode for d in ops} == {"markers"}
+    view.set(n_layers=64)
+    steps = view.result.steps
+    assert len(steps) > DENSE_ACTIONS and {d.mode for d in ops} == {"lines"}
+    units = [s.bytes // view.result.unit_bytes for s in steps]
+    for d, (op, color) in zip(ops, OP_COLORS.items()):
+        assert d.line.color == color and d.name == op
+        xs, ys = list(d.x), list(d.y)
+        for j in range(0, len(xs), 3):  # (k, 0) → (k, units of action k), then a break
+            assert xs[j] == xs[j + 1] and ys[j] == 0 and ys[j + 1] == units[xs[j]]
+            assert xs[j + 2] is None and d.text[j + 1].endswith(f", {units[xs[j]]}")
+    assert sum(len(d.x) for d in ops) == 3 * len(steps)  # every action, once
 
 
 def test_two_views_keep_their_own_strategy():

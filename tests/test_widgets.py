@@ -157,7 +157,7 @@ def test_timeline_many_events_few_traces():
               for r in range(4) for s in range(250)
               for i, n in enumerate(("forward", "backward", "all_reduce", "optimizer", "data"))]
     tv = TimelineView(Trace(events))
-    assert len(tv.fig.data) == 13  # fixed families, not one trace per event
+    assert len(tv.fig.data) == 14  # fixed families, not one trace per event
     assert sum(len(d.x) for d in tv.fig.data) == len(events) == 5000
     assert "application/vnd.plotly.v1+json" in tv._repr_mimebundle_()
 

@@ -42,6 +42,11 @@ OP_COLORS = {"forward": S.COMPUTE_COLORS["forward"], "recompute": "#B279A2",
              "backward": S.COMPUTE_COLORS["backward"], "free": "#9D9D9D"}
 ALIVE, EMPTY = "#E45756", "#EEEEEE"
 N_OPTIONS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: above this many actions, the ~760 px action axis puts per-action markers under 4 px
+#: apart (one kind's then hide another's): each action is drawn as a stem from 0 instead
+DENSE_ACTIONS = 190
+_OP_HOVER = "step %{x}: %{text}, %{y} units<extra></extra>"
+_DENSE_HOVER = "step %{x}: %{text} units<extra></extra>"
 _CODE_OP = {"F": "forward", "R": "recompute", "B": "backward", "D": "free"}
 
 
@@ -77,8 +82,9 @@ def _base_figure() -> go.Figure:
                              hoverinfo="skip"), row=2, col=1)
     for op, color in OP_COLORS.items():
         fig.add_trace(go.Scatter(name=op, mode="markers", x=[], y=[], text=[],
-                                 marker=dict(color=color, size=6),
-                                 hovertemplate="step %{x}: %{text}, %{y} units<extra></extra>"),
+                                 marker=dict(color=color, size=6), line=dict(color=color,
+                                                                             width=1),
+                                 hovertemplate=_OP_HOVER),
                       row=2, col=1)
     fig.add_trace(go.Scatter(name="formula peak", mode="lines", x=[], y=[],
                              line=dict(color=ALIVE, dash="dot", width=1), hoverinfo="skip"),
@@ -238,9 +244,16 @@ class CheckpointView(StaticFigure, W.VBox):
         n = res.schedule.n_layers
         with self.fig.batch_update():
             self.fig.data[2].update(x=xs, y=ys)
+            dense = len(xs) > DENSE_ACTIONS
             for i, op in enumerate(OP_COLORS):
                 x, y, t = by_op[op]
-                self.fig.data[3 + i].update(x=x, y=y, text=t)
+                if dense:  # markers under 4 px apart hide each other: a stem per action
+                    t = [v for a, u in zip(t, y) for v in (f"{a}, {u}", f"{a}, {u}", None)]
+                    x = [v for k in x for v in (k, k, None)]
+                    y = [v for u in y for v in (0, u, None)]
+                self.fig.data[3 + i].update(x=x, y=y, text=t,
+                                            mode="lines" if dense else "markers",
+                                            hovertemplate=_DENSE_HOVER if dense else _OP_HOVER)
             self.fig.data[7].update(x=[0, max(len(xs) - 1, 1)], y=[formula_peak] * 2)
             dtick, size = chain_ticks(n)
             self.fig.layout.xaxis.range = [-0.7, n + 0.7]

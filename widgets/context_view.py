@@ -227,7 +227,9 @@ class ContextParallelView(StaticFigure, W.VBox):
         line = (f"{rep['method']} · cp={rep['cp']} · {self.problem()} · {split}"
                 f" · {'causal' if rep['causal'] else 'no mask'} · sent per rank [{sent}] {exact}"
                 f" · work {work}, imbalance {rep['imbalance']:.3f}")
-        if rep["overlap"]:
+        if rep["cp"] == 1:  # one rank holds the whole sequence: no ring, nothing to hide
+            line += " · cp=1: no communication (one rank holds every key and value)"
+        elif rep["overlap"]:
             hid = sum(o["forward"] for o in rep["overlap"]) / len(rep["overlap"])
             line += f" · ring send/recv hidden under compute (forward): {hid:.0%}"
         return line

@@ -39,7 +39,8 @@ from labkit.parallel.pipeline.simulate import Span, simulate
 from . import _style as S
 from ._static import StaticFigure, live
 
-__all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table"]
+__all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table",
+           "drawn_flush"]
 
 KINDS = ("F", "B", "W", "BW")
 PATTERNS = {"F": "", "B": "/", "W": "x", "BW": "."}
@@ -109,6 +110,18 @@ def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float
     return out
 
 
+def drawn_flush(spans: list, pp: int, scale: float = 1e3, unit: str = "ms") -> str:
+    """What the measured panel shows, in the panel's title: ``"the last flush: 461.2 ms,
+    idle per rank 120.3, 95.1 ms"`` — this one flush's length and each rank's idle (its
+    gaps up to the flush's end, as :func:`gantt_data` draws them). The status table's
+    idle and flush time are means over all measured flushes, so they differ from it."""
+    cols = gantt_data(spans, pp, scale=scale)["idle"]
+    idle = [sum(x for x, y in zip(cols["x"], cols["y"]) if y == f"rank {r}") for r in range(pp)]
+    end = max((sp.end for sp in spans), default=0.0) * scale
+    return (f"the last flush: {end:.1f} {unit}, idle per rank "
+            + ", ".join(f"{i:.1f}" for i in idle) + f" {unit}")
+
+
 def flush_bubbles(report: BubbleReport) -> list:
     """The measured bubble (idle/total) of each flush of ``report``, in run order."""
     p = len(report.busy)
@@ -121,6 +134,9 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
     pct = lambda b: f"{100 * b:.1f} %"  # noqa: E731
     ms = lambda v: ", ".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
     per = flush_bubbles(report)
+    # the table's times are means over the measured flushes; the drawn flush is one of them
+    over = (f" over {report.flushes} flushes" if report.flushes > 1 else "")
+    per_flush = f" (mean{over})"
     spread = (f"{len(per)} flushes: {pct(min(per))} – {pct(max(per))}" if len(per) > 1 else
               "one flush: no spread; run more steps to see how much a reading moves")
     rows = [("measured", pct(report.bubble), spread, ms(report.idle)),
@@ -133,14 +149,15 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
                    f"color:{S.MUTED}'>{html.escape(c)}</td><td style='{td}'>"
                    f"{html.escape(d)}</td></tr>" for a, b, c, d in rows)
     head = (f"<tr><th style='{td}'></th><th style='{td};text-align:right'>bubble</th>"
-            f"<th style='{td}'></th><th style='{td}'>idle per rank, ms</th></tr>")
+            f"<th style='{td}'></th><th style='{td}'>idle per rank, ms{per_flush}</th></tr>")
     terms = [f"message {1e3 * report.comm_s:.2f} ms/hop"]
     if report.executor_s:
         terms.append(f"executor {1e3 * report.executor_s:.2f} ms/action")
     lines = ["simulated with the measured stage costs, " + ", ".join(terms)]
     if report.shared is not None:
         lines.append(f"the {len(report.busy)} ranks shared {report.cores:.2f} cores: a flush "
-                     f"took {1e3 * report.window:.1f} ms ({1e3 * report.shared.makespan:.1f} "
+                     f"took {1e3 * report.window:.1f} ms on average{over} "
+                     f"({1e3 * report.shared.makespan:.1f} "
                      "ms with processor sharing), stretched spans count as busy")
     if metrics:
         mem = ", ".join(S.fmt_bytes(m.get("peak_activation_bytes")) for m in metrics)
@@ -357,11 +374,12 @@ class PipelineView(StaticFigure, W.VBox):
                         marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
             sim = "simulated on this machine" if unit == "ms" else "simulated, unit costs"
-            meas = "measured (trace)" if self.spans else "measured: nothing ran (no cluster)"
+            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit)
+                    if self.spans else "measured: nothing ran (no cluster)")
             lay = self.fig.layout
             if own:
                 lengths = [f"{e * self._scale:.4g} {unit}" for e in ends]
-                meas += f": {lengths[0]}, its own time axis"
+                meas += ", its own time axis"
                 sim += f": {lengths[1]}, its own time axis"
                 lay.xaxis.update(matches=None, showticklabels=True,
                                  range=[0, ends[0] * self._scale])

@@ -11,7 +11,12 @@ FSDP issuing or waiting for an all-gather, :mod:`labkit.parallel.zero.fsdp`) is 
 narrower dark "blocked" bar on top of the compute row: the part of the span not hidden.
 Times are milliseconds from the run's first event (``trace.t0``). Hovering a bar shows its
 name, step, op, axis and group (the group's ranks, or the peer of a send/recv), the
-algorithmic bytes it sent and received, and its duration. Consecutive
+algorithmic bytes it sent and received, and its duration. A call left in flight (bucketed
+DDP's all-reduces, a pipeline's sends) is drawn as a faint thin line from its issue to the
+return of its ``wait()`` and, over it, a bar of its own: a collective from the lane's
+previous completion to the backend's, a send/recv (no completion time on gloo) hatched
+over the time its caller waited (:func:`_drawn_spans`); its hover gives issue, finish and
+wait times. Consecutive
 calls in one communication lane alternate in shade, so twenty back-to-back all-reduces read
 as twenty bars, not one. A call that tagged where in the model it ran (tensor parallelism
 tags ``layer``, ``site`` and ``phase``) is labelled on its bar, ``L0``, ``L1`` … (or its
@@ -71,14 +76,27 @@ _BLOCKED_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{cu
                   " · unit %{customdata[2]} · phase %{customdata[8]}<br>blocked "
                   "%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>blocked</extra>")
 
-# compute families, then "blocked" (drawn over compute), then comm
+#: the thin, faint line behind an asynchronous call: issued until its ``wait()`` returned
+_INFLIGHT_WIDTH, _INFLIGHT_OPACITY = 0.1, 0.45
+_INFLIGHT_HOVER = ("<b>%{customdata[0]}</b> in flight · rank %{customdata[7]}<br>step "
+                   "%{customdata[1]}%{hovertext}<extra>in flight</extra>")
+
+# compute families, then "blocked" (drawn over compute), then the in-flight lines (below
+# the comm bars), then comm
 _FAMILIES = [("compute", fam) for fam in S.COMPUTE_COLORS] + [("blocked", "blocked")] + \
-            [("comm", op) for op in S.COMM_COLORS]
+            [("inflight", "in flight")] + [("comm", op) for op in S.COMM_COLORS]
 
 
 def _empty_traces() -> list:
     traces = []
     for kind, fam in _FAMILIES:
+        if kind == "inflight":
+            traces.append(go.Bar(
+                name=fam, orientation="h", legendgroup="comm", legendgrouptitle_text="comm",
+                width=_INFLIGHT_WIDTH, opacity=_INFLIGHT_OPACITY,
+                marker=dict(color=[], line_width=0), hovertemplate=_INFLIGHT_HOVER,
+                x=[], y=[], base=[], customdata=[], hovertext=[], showlegend=False))
+            continue
         compute, blocked = kind == "compute", kind == "blocked"
         color = (S.BLOCKED_COLOR if blocked else
                  (S.COMPUTE_COLORS if compute else S.COMM_COLORS)[fam])
@@ -120,6 +138,61 @@ def _group(e) -> str:
     return f"group {peers}" if peers else "group –"
 
 
+def _ms(trace, t) -> float:
+    return (t - trace.t0) * 1e3
+
+
+def _drawn_spans(trace, events) -> dict:
+    """``{id(event): (start_s, end_s, note)}``: what a communication bar draws, for the
+    calls left in flight (``args["async"]``, :meth:`labkit.comm_handle.Handle.note_done`).
+
+    Such a call's recorded span runs from its issue to the return of its ``wait()``;
+    twenty bucketed all-reduces issued during backward and collected after it overlap
+    into one solid bar, and a pipeline's send, collected at the end of the flush, spans
+    the step. Drawn instead: a collective whose backend reported completion
+    (``args["done"]``) as the time from the lane's previous completion (or its issue, if
+    later) to its own: the lane's time split among the calls that finished in it, so each
+    call is its own bar, ending where it finished (gloo runs a group's collectives on a
+    small worker pool, so the split is an attribution, not each call's start). A call
+    with no completion time (gloo's send/recv) draws only the part its caller waited for
+    it, ``waited``..``end``, hatched: a wait, which includes whatever of the transfer was
+    left. The whole span stays as a thin faint "in flight" line.
+    """
+    out: dict = {}
+    lanes: dict = {}
+    for e in events:
+        a = e.args or {}
+        if e.cat in BLOCKED_CATS or e.cat == COMPUTE or not a.get("async"):
+            continue
+        if a.get("done") is not None:
+            lanes.setdefault((e.rank, S.comm_family(e.op) == "p2p"), []).append(e)
+        else:
+            waited = a.get("waited")
+            lo = e.start if waited is None else min(max(e.start, waited), e.end)
+            out[id(e)] = (lo, e.end, "waited")
+    for calls in lanes.values():
+        prev = float("-inf")
+        for e in sorted(calls, key=lambda e: min(e.args["done"], e.end)):
+            done = min(max(e.args["done"], e.start), e.end)
+            out[id(e)] = (max(e.start, min(prev, done)), done, "done")
+            prev = max(prev, done)
+    return out
+
+
+def _inflight_text(trace, e, drawn) -> str:
+    """The hover line of an asynchronous call: when it was issued, finished, waited for."""
+    a = e.args or {}
+    parts = [f"issued {_ms(trace, e.start):.3f} ms"]
+    if a.get("done") is not None:
+        parts.append(f"finished {_ms(trace, a['done']):.3f} ms (backend)")
+    if a.get("waited") is not None:
+        parts.append(f"waited for from {_ms(trace, a['waited']):.3f} ms")
+    parts.append(f"wait() returned {_ms(trace, e.end):.3f} ms")
+    how = ("bar: since the lane's previous completion, to this one's" if drawn == "done" else
+           "hatched bar: the caller waited (the backend reports no completion time)")
+    return "<br>" + " · ".join(parts[:2]) + "<br>" + " · ".join(parts[2:]) + "<br>" + how
+
+
 def _family(e) -> tuple:
     if e.cat == COMPUTE:
         return ("compute", S.compute_family(e.name))
@@ -133,7 +206,7 @@ def _legend_height(cols) -> int:
     before it per group, and the legend's padding (measured in Chromium: 19 px a row, a
     title and gap 30 px; a legend taller than the plot area gets a scrollbar)."""
     shown = [fam for fam, c in zip(_FAMILIES, cols) if c["showlegend"]]
-    groups = {("compute" if k == "blocked" else k) for k, _ in shown}
+    groups = {{"blocked": "compute", "inflight": "comm"}.get(k, k) for k, _ in shown}
     return 21 * len(shown) + 30 * len(groups) + 16
 
 
@@ -157,20 +230,34 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
     p2p = any(_family(e) == ("comm", "p2p") for e in drawn)
     pitch = P2P_PITCH if p2p else 1.0
     row = {r: round(i * pitch, 6) for i, r in enumerate(ranks)}
+    drawn_spans = _drawn_spans(trace, events)
+    inflight = cols[index[("inflight", "in flight")]]
+    inflight.update({"hovertext": [], "marker.color": []})
     # longest first inside a trace, so nested regions (layers.1.backward in backward) and
     # short collectives draw on top of the spans that contain them
     for e in sorted(events, key=lambda e: -e.duration):
         fam = _family(e)
         col = cols[index[fam]]
-        start_ms, dur_ms = (e.start - trace.t0) * 1e3, max(e.duration, 0.0) * 1e3
+        lane_y = round(row[e.rank] + (P2P_OFFSET if fam == ("comm", "p2p") else
+                                      COMM_OFFSET if fam[0] == "comm" else 0.0), 6)
+        lo, hi, how = drawn_spans.get(id(e), (e.start, e.end, None))
+        start_ms, dur_ms = _ms(trace, lo), max(hi - lo, 0.0) * 1e3
         col["x"].append(dur_ms)
         col["base"].append(start_ms)
-        col["y"].append(round(row[e.rank] + (P2P_OFFSET if fam == ("comm", "p2p") else
-                                             COMM_OFFSET if fam[0] == "comm" else 0.0), 6))
+        col["y"].append(lane_y)
         if fam[0] == "comm":
             label, where = _where(e)
+            if how is not None:
+                where += _inflight_text(trace, e, how)
+                inflight["x"].append(max(e.duration, 0.0) * 1e3)
+                inflight["base"].append(_ms(trace, e.start))
+                inflight["y"].append(lane_y)
+                inflight["hovertext"].append(where)
+                inflight["marker.color"].append(S.COMM_COLORS[fam[1]])
+                inflight["customdata"].append([e.name, e.step, "", "", "", 0, 0, e.rank, "", ""])
             col.setdefault("text", []).append(label)
             col.setdefault("hovertext", []).append(where)
+            col.setdefault("marker.pattern.shape", []).append("/" if how == "waited" else "")
         if fam[0] == "blocked":  # op / axis slots carry the unit and phase waited for
             args = e.args or {}
             extra = [args.get("unit", "–"), args.get("phase", "–")]
@@ -185,6 +272,7 @@ def timeline_traces(trace: Trace, step: Optional[int] = None) -> tuple[list[dict
             c["marker.opacity"] = _alternating(c)
             c.setdefault("text", [])  # an emptied lane drops the labels it showed before
             c.setdefault("hovertext", [])
+            c.setdefault("marker.pattern.shape", [])
     tickvals, ticktext = [], []
     for r, y in row.items():
         tickvals += [round(y + d, 6) for d in (0.0, COMM_OFFSET) + ((P2P_OFFSET,) if p2p else ())]

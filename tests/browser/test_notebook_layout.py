@@ -68,20 +68,9 @@ _JS_EXEC = """async (code) => {
 # A printed line wrapping is reported, not failed, here: the gallery runs only the print
 # cells a view needs, so it cannot judge the notebooks' printing.
 REPORTED_ONLY = {"wrapped line"}
-#: problems in a notebook's own figure code, left to that notebook's fix (issue 25); each
-#: (notebook, kind, a words of the detail). Remove an entry once its notebook is fixed.
-#: (notebook, kind, title) of a finding accepted for now, each with its reason; empty: none
-KNOWN: tuple = (
-    # found by the checks added with notebook 11's figure fixes; each notebook's own figure
-    # code, left to the pass over notebooks 00-10 (reported, not fixed here)
-    ("04_activation_checkpointing.ipynb", "hidden markers", '"none calls" lies on one of'),
-    ("04_activation_checkpointing.ipynb", "hidden markers", '"selective calls" lies on one of'),
-    ("04_activation_checkpointing.ipynb", "hidden markers", '"backward" lies on one of "recompute"'),
-    ("07_context_parallel.ipynb", "squashed plot", "causal attention work per rank"),
-    ("09_expert_parallel.ipynb", "squashed plot", "choices per expert over all ranks"),
-    ("09_expert_parallel.ipynb", "squashed plot", "capacity factor"),
-    ("10_nd_parallelism.ipynb", "squashed plot", "Llama 3 405B, rank 1024"),
-)
+#: problems in a notebook's own figure code accepted for now, each (notebook, kind, a few
+#: words of the detail) with its reason; empty: none (notebooks 04, 07, 09, 10 fixed theirs)
+KNOWN: tuple = ()
 
 
 @pytest.fixture(scope="module")
