@@ -14,6 +14,7 @@ from jobs_expert import A2A_SIZES, PATTERNS, LayerCase, a2a_v, build_case, layer
 from parity import assert_parity
 
 import labkit.train as train_module
+import labkit.train.single_process as single_process
 from labkit import jobs
 from labkit.config import PRESETS, RunConfig
 from labkit.models import count_params
@@ -130,7 +131,7 @@ def reference_with_routing(cfg: RunConfig) -> dict:
     ``"routing"[step][layer]`` is that forward's :class:`RoutingStats` over the token groups
     (one per data rank and microbatch, :func:`labkit.train.token_groups`)."""
     log: list = []
-    build = train_module.build_model
+    build = single_process.build_model  # where labkit.train.reference builds its model
 
     def recording_build(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -138,7 +139,7 @@ def reference_with_routing(cfg: RunConfig) -> dict:
             m._log = log
         return model
 
-    with mock.patch.object(train_module, "build_model", recording_build):
+    with mock.patch.object(single_process, "build_model", recording_build):
         ref = train_module.reference(cfg)
     n = cfg.model_config.n_layers
     assert len(log) == cfg.steps * n
