@@ -9,13 +9,20 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from .nodes import NodeSpec
+from dataclasses import dataclass
+from typing import Optional
 
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What a rank needs to join its node: the holder's pid and the node's address."""
+
+    pid: int
+    node: int
+    address: str
 
 class _Holder:
     """A process that holds a new network namespace while our pipe to it stays open: when

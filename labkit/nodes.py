@@ -38,10 +38,9 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Optional, Union
 
-from .netns import _Holder, enter  # noqa: F401  (labkit.nodes.enter: the ranks' import)
+from .netns import NodeSpec, _Holder, enter  # noqa: F401  (the ranks import labkit.nodes.enter)
 
 __all__ = ["DEFAULT_INTER_NODE", "PLACEMENTS", "EmulatedNetwork", "NodeSpec", "node_address",
            "node_of", "parse_rate", "probe", "enter", "launch"]
@@ -115,15 +114,6 @@ def probe() -> Optional[str]:
         except OSError as exc:
             _PROBE["reason"] = str(exc)
     return _PROBE["reason"]
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """What a rank needs to join its node: the holder's pid and the node's address."""
-
-    pid: int
-    node: int
-    address: str
 
 
 class EmulatedNetwork:

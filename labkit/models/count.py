@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def count_params(cfg: ModelConfig, include_embeddings: bool = True) -> int:

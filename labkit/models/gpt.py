@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from .moe import MoE
 from .norm import RMSNorm
 # the pieces live in their own modules; every name stays importable from here (notebooks,
