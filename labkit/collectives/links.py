@@ -17,7 +17,7 @@ from .. import comm
 from . import OPS, busbw_factor
 from .bench import _buffers, _call
 
-__all__ = ["LinkConfig", "link_job", "measure_links", "MiB"]
+__all__ = ["LinkConfig", "link_job", "link_pairs", "measure_links", "MiB"]
 
 MiB = 2 ** 20
 
@@ -76,9 +76,19 @@ def link_job(ctx, cfg: LinkConfig) -> list:
     return rows
 
 
+def link_pairs(cluster) -> tuple:
+    """``(inside, across)``: rank 0 with the next rank of its own node, and rank 0 with the
+    first rank of another node, whatever the cluster's placement (block: ``(0, 1), (0,
+    per)``; cyclic: ``(0, nodes), (0, 1)``)."""
+    home = cluster.node_of(0)
+    mate = next(r for r in range(1, cluster.world_size) if cluster.node_of(r) == home)
+    away = next(r for r in range(1, cluster.world_size) if cluster.node_of(r) != home)
+    return (0, mate), (0, away)
+
+
 def measure_links(cluster, ops=OPS, nbytes: int = 4 * MiB, iters: int = 3) -> list:
     """busbw of each op over two ranks of one node ("inside") and two ranks of two nodes
-    ("across") on ``cluster``.
+    ("across") on ``cluster`` (the pairs of :func:`link_pairs`).
 
     Returns rows ``{"op", "where", "group", "bytes", "time_s", "busbw", "link"}``: busbw in
     bytes/s from the median over calls of the slower rank's time, ``link`` the configured
@@ -91,7 +101,7 @@ def measure_links(cluster, ops=OPS, nbytes: int = 4 * MiB, iters: int = 3) -> li
     if cluster.nodes < 2 or per < 2:
         raise ValueError(f"measure_links needs >= 2 nodes of >= 2 ranks; the cluster has "
                          f"{cluster.nodes} node(s) of {per} rank(s)")
-    inside, across = (0, 1), (0, per)
+    inside, across = link_pairs(cluster)
     cfg = LinkConfig((inside, across), tuple(ops), nbytes, iters).validate(cluster.world_size)
     res = cluster.run(link_job, cfg)
     slowest: dict = {}

@@ -25,20 +25,29 @@ from ..collectives.links import measure_links
 from ..plan.emulated import emulated_spec, physical_order, predict_comm
 from .step_model import predict_step
 
-__all__ = ["Links", "Variant", "Experiment", "EXPERIMENTS", "measure_cluster_links",
-           "run_variant", "warm_up"]
+__all__ = ["Links", "Variant", "Experiment", "EXPERIMENTS", "SWEEP", "fit_alpha_beta",
+           "measure_cluster_links", "run_variant", "warm_up"]
 
 
 @dataclass(frozen=True)
 class Links:
-    """Measured busbw (bytes/s) of a pair inside a node and across, and seconds per ring
-    step of a tiny message, on one emulated cluster."""
+    """One emulated cluster's links, fitted from a sweep of 2-rank all-reduces inside a
+    node and across (:func:`measure_cluster_links`).
+
+    ``inside_bw``/``across_bw``: busbw in bytes/s and ``inside_hop_s``/``across_hop_s``:
+    seconds per ring step, the line ``t(S) = base + 2·hop + S / busbw`` that
+    :func:`labkit.plan.network.collective_time` prices a two-rank all-reduce with, fitted
+    to every size of the sweep at once; ``configured``: the node link's rate, bytes/s per
+    direction; ``points``: the sweep, ``((where, bytes, seconds), …)``, each size's median
+    over calls of the slower rank's time.
+    """
 
     inside_bw: float
     across_bw: float
     inside_hop_s: float
     across_hop_s: float
     configured: float
+    points: tuple = ()
 
     @property
     def ratio(self) -> float:
@@ -50,14 +59,62 @@ class Links:
         return self.across_bw / self.configured - 1.0
 
 
-def measure_cluster_links(cluster, nbytes: int = 4 << 20, iters: int = 3) -> Links:
-    """:class:`Links` of ``cluster`` (≥ 2 nodes of ≥ 2 ranks) from its all-reduce busbw at
-    ``nbytes`` and at 64 bytes (latency: a 2-rank all-reduce is 2 ring steps)."""
-    big = {r["where"]: r for r in measure_links(cluster, ("all_reduce",), nbytes, iters)}
-    tiny = {r["where"]: r for r in measure_links(cluster, ("all_reduce",), 64, 5)}
-    return Links(big["inside"]["busbw"], big["across"]["busbw"],
-                 tiny["inside"]["time_s"] / 2, tiny["across"]["time_s"] / 2,
-                 cluster.inter_node)
+#: message sizes (bytes) of the links' sweep: the range of a small job's calls
+SWEEP = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def fit_alpha_beta(points, base: float = 0.0) -> tuple:
+    """``(hop_s, busbw)`` of the line ``t = base + 2·hop + S / busbw`` through ``points``
+    (``(S bytes, t seconds)`` of two-rank all-reduces, busbw factor 1).
+
+    Least squares on the relative error, so a 4 KiB call weighs as much as a 4 MiB one:
+    a job's calls span that range, and a line through two sizes let one noisy tiny call set
+    the latency of every call. The hop is clamped at 0 (then the slope is refitted through
+    ``base``).
+
+    Raises:
+        ValueError: fewer than two distinct sizes, or a time that is not positive.
+    """
+    pts = [(float(x), float(t)) for x, t in points]
+    if len({x for x, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
+        raise ValueError(f"fit_alpha_beta needs >= 2 distinct sizes and positive times; "
+                         f"got {pts}")
+    w = [1.0 / (t * t) for _, t in pts]  # minimise sum(((a + b·S − t) / t)^2)
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, pts))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts))
+    st = sum(wi * t for wi, (_, t) in zip(w, pts))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, pts))
+    b = (sw * sxt - sx * st) / (sw * sxx - sx * sx)
+    a = (st - b * sx) / sw
+    if a < base:
+        a = base
+        b = sum(wi * x * (t - a) for wi, (x, t) in zip(w, pts)) / sxx
+    if b <= 0:  # sizes too small to see the bandwidth: the largest one's average rate
+        x, t = max(pts)
+        b = max(t - a, t / 2) / x
+    return max(0.0, (a - base) / 2), 1.0 / b
+
+
+def measure_cluster_links(cluster, sizes=SWEEP, iters: int = 5) -> Links:
+    """:class:`Links` of ``cluster`` (≥ 2 nodes of ≥ 2 ranks, any placement): a two-rank
+    all-reduce inside a node and across (:func:`~labkit.collectives.links.link_pairs`) at
+    each of ``sizes`` bytes, ``iters`` calls each, and each pair's line fitted over the
+    whole sweep (:func:`fit_alpha_beta`).
+
+    Raises:
+        ValueError: a cluster of one node or one rank per node (from ``measure_links``).
+    """
+    from ..plan.hardware import NCCL_BASE_LATENCY
+
+    points = []
+    for nbytes in sizes:
+        for r in measure_links(cluster, ("all_reduce",), nbytes, iters):
+            points.append((r["where"], nbytes, r["time_s"]))
+    fit = {w: fit_alpha_beta([(x, t) for ww, x, t in points if ww == w], NCCL_BASE_LATENCY)
+           for w in ("inside", "across")}
+    return Links(fit["inside"][1], fit["across"][1], fit["inside"][0], fit["across"][0],
+                 cluster.inter_node, tuple(points))
 
 
 @dataclass(frozen=True)

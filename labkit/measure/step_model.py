@@ -28,6 +28,10 @@ planner's communication:
   path — so the warm-up and cool-down bubble comes from the schedule itself. The rest of
   the step (embedding, data-parallel reduction, optimizer) is replayed as above.
 
+* **Shared links:** a call that crosses a node boundary gets the share of the node's link
+  the run shows it had (:mod:`labkit.measure.link_share`): the planner's worst case
+  assumes every rank of the node crossing at once.
+
 All ranks are replayed together: a call starts when every member of its group has reached
 it, so a rank early to an all-reduce waits for the late one. The slowest rank's replay is
 the prediction.
@@ -37,6 +41,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..plan.emulated import predict_comm
+from .link_share import link_efficiency
 
 __all__ = ["predict_step", "classify"]
 
@@ -175,7 +180,7 @@ def _replay(events, price: Callable, skip: Callable = lambda e: False) -> float:
 
 
 def predict_step(trace, ranks: Sequence[int], steps: Sequence[int], spec, phys: dict,
-                 schedule=None, flushes: int = 1) -> dict:
+                 schedule=None, flushes: int = 1, shared_links: bool = True) -> dict:
     """The planner's step time of a run from its ``trace`` on ``spec`` (measured links).
 
     Args:
@@ -185,14 +190,20 @@ def predict_step(trace, ranks: Sequence[int], steps: Sequence[int], spec, phys: 
             :func:`~labkit.plan.emulated.physical_order`.
         schedule: the pipeline :class:`~labkit.parallel.pipeline.actions.Schedule` of one
             flush when ``pp > 1`` (``None``: no pipeline); ``flushes`` per step.
+        shared_links: give a call that crosses a node boundary the share of the node's
+            link the trace shows it had (:func:`labkit.measure.link_share.link_efficiency`);
+            ``False``: the planner's worst case, every rank of the node crossing at once.
 
     Returns:
         ``{"step_s", "per_rank", "pipeline_s", "bubble"}``: the slowest rank's predicted
         seconds per step, every rank's, the simulated pipeline's seconds per step and its
         bubble (idle / total; 0 without a pipeline).
     """
+    window = [e for e in trace.events if e.step in steps and e.rank in set(ranks)]
+    share = link_efficiency(window, phys, spec.levels[0].size) if shared_links else {}
+
     def price(e) -> float:
-        return predict_comm([e], spec, phys)
+        return predict_comm([e], spec, phys, share.get(id(e), 1.0))
 
     pipe_s, bubble, per_rank = 0.0, 0.0, {}
     is_action = (lambda e: e.cat == "compute" and e.name in ("F", "B", "BW", "W")
