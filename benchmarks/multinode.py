@@ -10,16 +10,19 @@ mesh's order, tp innermost) and "cyclic" (0,2 | 1,3: tp outermost). Prints
    interleaved runs, medians): step time,
    bytes per step on each node's link (tc counters) and per mesh axis (labkit.comm), the
    planner's predicted step on the measured links (following the job's overlap and pipeline
-   schedule, ``labkit.measure.step_model``; beside it the flat sum of compute and every
-   call, nothing overlapped, no bubble) and communication time, and the lecture's
-   statement;
+   schedule, ``labkit.measure.step_model``, each crossing call with the share of its node's
+   link the run shows) and its error, the worst case (every rank of a node crossing at
+   once), the flat sum of compute and every call (nothing overlapped, no bubble) and
+   communication time, and the lecture's statement;
 3. the cost: an all-compute job (matmuls, no communication) on a flat cluster and on the
    emulated one, and the emulation's code path when off (``nodes=1`` spawns ranks exactly
    as before: no namespace, no tc).
 
     RESULT inside_across_ratio <x>
     RESULT link_error_pct <measured across / configured - 1, %>
-    RESULT <experiment>_<variant>_step_ms / _pred_ms / _flat_ms
+    RESULT <experiment>_<variant>_step_ms / _pred_ms / _worst_ms / _flat_ms
+    RESULT planner_abs_error_median_pct / _max_pct  (|planner / measured - 1| over variants)
+    RESULT planner_direction_agrees <k>/4  (pairs whose faster layout the planner names)
     RESULT compute_slowdown_pct <emulated / flat - 1, %>  (runs interleaved, median)
 
 Timings of rank processes sharing the machine's cores: run it on an otherwise idle machine
@@ -104,12 +107,14 @@ def main(argv=None) -> int:
                     run_variant(clusters[v.placement], cfg, links))
         print(f"  round {i + 1}/{a.runs} done", flush=True)
     results = {k: {f: (statistics.median(r[f] for r in rs)
-                       if f in ("step_s", "comm_s", "pred_comm_s", "pred_step_s", "pred_flat_s")
+                       if f in ("step_s", "comm_s", "pred_comm_s", "pred_step_s", "pred_worst_s",
+                                "pred_flat_s")
                        else rs[0][f])
                    for f in rs[0]} for k, rs in runs.items()}
-    print(f"\n{'experiment / variant':52} {'step ms':>8} {'planner':>8} {'flat':>8} "
+    print(f"\n{'experiment / variant':52} {'step ms':>8} {'planner':>8} {'error':>6} {'worst':>8} {'flat':>8} "
           f"{'bubble':>6} {'comm ms':>8} {'planner':>8} {'MB/step across':>15}  "
           f"bytes/step per axis (rank 0)")
+    errors, agree = [], 0
     for ex in EXPERIMENTS:
         print(f"{ex.name}  [{ex.claim}: {ex.lecture}]")
         steps = {}
@@ -119,12 +124,16 @@ def main(argv=None) -> int:
             across = sum(r["link_bytes_per_step"].values()) / 1e6
             axes = ", ".join(f"{ax} {sum(d.values()) / 1e6:.2f} MB"
                              for ax, d in r["axis_bytes"].items())
+            err = r['pred_step_s'] / r['step_s'] - 1
+            errors.append(abs(err))
             print(f"  {v.label:50} {r['step_s'] * 1e3:8.1f} {r['pred_step_s'] * 1e3:8.1f} "
+                  f"{100 * err:+5.0f}% {r['pred_worst_s'] * 1e3:8.1f} "
                   f"{r['pred_flat_s'] * 1e3:8.1f} {r['pred_bubble']:6.0%} "
                   f"{r['comm_s'] * 1e3:8.1f} {r['pred_comm_s'] * 1e3:8.1f} {across:15.3f}  {axes}")
             key = f"{ex.claim}_{v.label.replace(' ', '_')}"
             print(f"RESULT {key}_step_ms {r['step_s'] * 1e3:.1f}")
             print(f"RESULT {key}_pred_ms {r['pred_step_s'] * 1e3:.1f}")
+            print(f"RESULT {key}_worst_ms {r['pred_worst_s'] * 1e3:.1f}")
             print(f"RESULT {key}_flat_ms {r['pred_flat_s'] * 1e3:.1f}")
         ra, rb = steps[ex.a.label], steps[ex.b.label]
         dl = max(abs(x - y) for x, y in zip(ra["losses"], rb["losses"]))
@@ -136,6 +145,10 @@ def main(argv=None) -> int:
               f"across {sum(rb['link_bytes_per_step'].values()) / 1e6:.2f} vs "
               f"{sum(ra['link_bytes_per_step'].values()) / 1e6:.2f} MB/step; largest loss "
               f"difference {dl:.1e}")
+        agree += (rb["step_s"] > ra["step_s"]) == (rb["pred_step_s"] > ra["pred_step_s"])
+    print(f"RESULT planner_abs_error_median_pct {100 * statistics.median(errors):.1f}")
+    print(f"RESULT planner_abs_error_max_pct {100 * max(errors):.1f}")
+    print(f"RESULT planner_direction_agrees {agree}/{len(EXPERIMENTS)}")
     clusters.pop("cyclic").close()
     return _cost(clusters.pop("block"), a.reps)
 

@@ -179,13 +179,14 @@ def warm_up(cluster, model: str = "small") -> None:
 def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dict:
     """Run ``cfg`` on ``cluster`` (emulated nodes) and measure it beside the planner.
 
-    Returns ``{"step_s", "comm_s", "pred_comm_s", "pred_step_s", "pred_flat_s",
+    Returns ``{"step_s", "comm_s", "pred_comm_s", "pred_step_s", "pred_worst_s", "pred_flat_s",
     "pred_bubble", "link_bytes_per_step", "axis_bytes", "losses"}``: the slowest rank's
     median steady step; its seconds inside communication calls per step (spans merged; an
     asynchronous call's span includes the compute it overlapped, a receive the wait for its
     sender); the planner's for the same calls; the planner's step
     (:func:`labkit.measure.step_model.predict_step`: overlap and pipeline as the job runs
-    them) and the flat sum (the largest over ranks of compute + predicted communication);
+    them, each crossing call with the share of its node's link the run shows; ``_worst_``:
+    every rank of a node crossing at once) and the flat sum (the largest over ranks of compute + predicted communication);
     the simulated pipeline bubble; bytes each node's link carried per step (tc counters,
     headers included); rank 0's bytes sent per mesh axis per step (labkit.comm).
     """
@@ -222,10 +223,13 @@ def run_variant(cluster, cfg, links: Links, nranks: Optional[int] = None) -> dic
     slow = max(rows, key=lambda x: x[0])
     m0 = res.outputs[0]["metrics"]
     sched = cfg.build_schedule() if cfg.parallel.pp > 1 else None
-    model = predict_step(res.trace, list(ranks), steady, spec, phys, sched,
-                         cfg.flushes if sched is not None else 1)
+    flushes = cfg.flushes if sched is not None else 1
+    model = predict_step(res.trace, list(ranks), steady, spec, phys, sched, flushes)
+    worst = predict_step(res.trace, list(ranks), steady, spec, phys, sched, flushes,
+                         shared_links=False)
     return {"step_s": slow[0], "comm_s": slow[1], "pred_comm_s": slow[2],
-            "pred_step_s": model["step_s"], "pred_flat_s": max(x[3] for x in rows),
+            "pred_step_s": model["step_s"], "pred_worst_s": worst["step_s"],
+            "pred_flat_s": max(x[3] for x in rows),
             "pred_bubble": model["bubble"],
             "link_bytes_per_step": {k: (after[k] - before[k]) / steps for k in after},
             "axis_bytes": m0.get("comm_bytes_by_axis", {}),
