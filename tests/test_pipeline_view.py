@@ -130,8 +130,9 @@ def test_a_refused_value_goes_back_and_the_title_names_what_is_shown():
     assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
     v.controls["virtual_stages"].value = 4
     assert v.controls["virtual_stages"].value == 2
-    assert "n_layers=8" in v.status.value and "still shows interleaved: P=4, M=8, V=2" \
+    assert "n_layers=8" in v.status.value and "the figure shows interleaved: P=4, M=8, V=2" \
         in v.status.value
+    assert "V=4 refused" in v.status.value and "back on the last valid V=2" in v.status.value
     v.time.value = 10
     assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
     v.set(schedule="1f1b")  # no virtual stages: the title says none
@@ -172,3 +173,71 @@ def test_a_run_far_longer_than_its_simulation_gets_its_own_time_axis():
             assert lay.xaxis.matches == "x2" and lay.xaxis.showticklabels is False
             assert tuple(lay.xaxis.range) == tuple(lay.xaxis2.range)
             assert "own" not in lay.annotations[1].text
+
+
+def _from_the_browser(slider, value) -> list:
+    """Move ``slider`` as the front end does (it sends the option's index), recording every
+    state the kernel sends back: ``[state dict]``."""
+    sent = []
+    slider.comm.send = lambda data=None, buffers=None, **kw: sent.append(data.get("state", {}))
+    slider.set_state({"index": list(slider.options).index(value)})
+    return sent
+
+
+def test_a_refused_m_is_named_beside_the_value_the_slider_went_back_to():
+    """DualPipeV refuses M below 2P. Dragging M from 4 to 2 at P=2 runs nothing: the slider
+    goes back to 4 in the browser too (the kernel sends the index of 4), and the red line
+    names M=2 as refused and M=4 as the value kept, the value the slider reads; the figure
+    still shows the run with M=4."""
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(None, schedule="dualpipe-v", pp=2, microbatches=4)
+    m = v.controls["microbatches"]
+    sent = _from_the_browser(m, 2)
+    assert m.value == 4 and sent and sent[-1].get("index") == list(m.options).index(4)
+    status = v.status.value
+    assert "labkit-status-error" in status
+    assert "M=2 refused: dualpipe-v needs microbatches &gt;= 2 x pp = 4" in status
+    assert f"the controls are back on the last valid M={m.value} " in status
+    assert "(the figure shows dualpipe-v: P=2, M=4, V=2)" in status
+    assert v.fig.layout.title.text == "dualpipe-v: P=2, M=4, V=2"
+    # a valid value afterwards runs, and the line is no longer red
+    _from_the_browser(m, 8)
+    assert m.value == 8 and v.fig.layout.title.text == "dualpipe-v: P=2, M=8, V=2"
+    assert "labkit-status-error" not in v.status.value
+
+
+def test_refused_starting_values_stay_on_the_controls():
+    """Nothing shown yet: there is no valid value to go back to, so the controls keep the
+    refused values, the ones the line names."""
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(None, schedule="dualpipe-v", pp=2, microbatches=2)
+    assert v.controls["microbatches"].value == 2 and v.shown is None
+    assert "got microbatches=2 with pp=2; nothing is drawn yet" in v.status.value
+    assert "back on" not in v.status.value
+
+
+def test_the_status_says_the_panel_title_is_one_flush_and_the_table_a_mean():
+    """The measured panel's title gives the drawn flush's idle, the table the mean over the
+    flushes: one line in the table says which is which, with the number of flushes; a
+    single flush needs no such line."""
+    from labkit.parallel.pipeline.bubble import measure_bubble
+    from labkit.trace import Event
+    from labkit_widgets.pipeline_view import status_table
+
+    sched = build("1f1b", 2, 4)
+    sim = simulate(sched, {"F": 1.0, "B": 2.0, "W": 0.0}, comm=0.1)
+
+    def report(steps):
+        ev = [Event(sp.rank, sp.action.kind, "compute", sp.start + 100 * st,
+                    sp.end + 100 * st, step=st,
+                    args={"stage": sp.action.stage, "microbatch": sp.action.microbatch,
+                          "flush": 0}) for st in steps for sp in sim.spans]
+        return measure_bubble(ev, sched)
+
+    line = ("the measured panel&#x27;s title is the drawn flush alone (the last); this "
+            "table&#x27;s bubble and idle per rank are the mean over the 3 measured flushes, "
+            "so the two idles differ by the flushes&#x27; spread")
+    assert line in status_table(report((1, 2, 3)))
+    assert "drawn flush" not in status_table(report((1,)))

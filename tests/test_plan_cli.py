@@ -30,6 +30,35 @@ def test_plan_layout_table(capsys):
         assert words in out, words
 
 
+def _row(text: str, axis: str) -> list:
+    """The cells of the communication table's row for ``axis`` (its first line)."""
+    rows = [line for line in text.splitlines() if line.startswith(f"│ {axis} ")]
+    assert len(rows) <= 1, rows
+    return [c.strip() for c in rows[0].strip("│").split("│")] if rows else []
+
+
+def test_plan_layout_table_times_the_expert_all_to_all(capsys):
+    """A mixture-of-experts layout gets an ``ep`` row in the communication table: degree,
+    level, bytes, time and exposed time of the expert all-to-all, the planner's own numbers
+    (as --json gives them); a dense model's table has no such row."""
+    # DeepSeek-V3's runtime hides most of it in the pipeline's steady state: time and
+    # exposed time differ, so the two columns cannot be swapped unseen
+    args = ["plan", "layout", "--model", "qwen1.5-moe-a2.7b", "--pp", "2", "--dp", "4",
+            "--ep", "4", "--global-batch", "64", "--runtime", "deepseek-v3-2024"]
+    assert cli.main(args + ["--json"]) == 0
+    ep = json.loads(capsys.readouterr().out)["comm"]["ep"]
+    assert ep["degree"] == 4 and 0.001 < ep["exposed"] < ep["seconds"] / 2
+    assert cli.main(args) == 0
+    cells = _row(capsys.readouterr().out, "ep")
+    assert cells[:7] == ["ep", "4", ep["level"], f"{ep['bandwidth'] / 1e9:,.0f}",
+                         f"{ep['bytes'] / 1e9:,.2f}", f"{ep['seconds']:.3f}",
+                         f"{ep['exposed']:.3f}"], cells
+    assert cells[7].startswith("all-to-all dispatch + combine")
+    assert cli.main(["plan", "layout", "--model", "llama3-8b"]) == 0
+    text = capsys.readouterr().out
+    assert _row(text, "dp") and not _row(text, "ep")
+
+
 def test_plan_search_json_and_table(capsys):
     args = ["plan", "search", "--model", "llama3-8b", "--cluster", "h100-server",
             "--global-batch", "64", "--seq-len", "8192", "--zero", "1,3", "--top", "3"]

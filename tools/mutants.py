@@ -286,7 +286,7 @@ MUTANTS = [
            '                if False:',
            "a full backward on split linears (DualPipeV mixes them) leaves dW in the store",
            ("tests/test_pipeline_dualpipe.py -k parity",)),
-    Mutant("dualpipe_split_from_the_wrong_pair", "labkit/parallel/pipeline/schedules.py",
+    Mutant("dualpipe_split_from_the_wrong_pair", "labkit/parallel/pipeline/zero_bubble.py",
            "        split, half = False, (r + 1) // 2",
            "        split, half = False, r // 2",
            "DualPipeV's cool-down starts its split backwards one pair early on odd ranks",
@@ -297,7 +297,7 @@ MUTANTS = [
            "tp x a V schedule: the tied head keeps its own vocabulary shard on the rank holding "
            "both ends, so its gradient never reaches the embedding",
            ("tests/test_pipeline_dualpipe.py -k tied",)),
-    Mutant("dualpipe_w_dropped", "labkit/parallel/pipeline/schedules.py",
+    Mutant("dualpipe_w_dropped", "labkit/parallel/pipeline/zero_bubble.py",
            "                seq.append(wq.pop(0))",
            "                wq.pop(0)",
            "DualPipeV never runs its W passes (weight gradients of split backwards lost)",

@@ -128,6 +128,11 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
     if report.executor_s:
         terms.append(f"executor {1e3 * report.executor_s:.2f} ms/action")
     lines = ["simulated with the measured stage costs, " + ", ".join(terms)]
+    if report.flushes > 1:  # the panel title's idle and the table's differ: say why
+        lines.append(f"the measured panel's title is the drawn flush alone (the last); this "
+                     f"table's bubble and idle per rank are the mean over the "
+                     f"{report.flushes} measured flushes, so the two idles differ by the "
+                     "flushes' spread")
     if report.shared is not None:
         lines.append(f"the {len(report.busy)} ranks shared {report.cores:.2f} cores: a flush "
                      f"took {1e3 * report.window:.1f} ms on average{over} "

@@ -16,6 +16,9 @@ simulated on this machine, and with unit costs (the lecture's number), and the t
 
 Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time cursor
 across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
+A refused choice (M below 2P for ``dualpipe-v``, more stages than layers) runs nothing: the
+controls go back to the values the figure shows, and the red status line names the refused
+value beside the one kept, so the controls and the line never disagree.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ __all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "sta
 from .pipeline_gantt import (  # noqa: F401  (moved; importable from here as before)
     KINDS, PATTERNS, PALETTE, IDLE, KIND_SWATCH, KIND_NAMES, N_DATA, FRAMES, measured_spans,
     gantt_data, drawn_flush, flush_bubbles, status_table, SHARED_AXIS_RATIO, _base_figure)
+
+
+#: each control's name in the title and in a refusal
+LABELS = {"schedule": "schedule", "pp": "P", "microbatches": "M", "virtual_stages": "V"}
 
 
 class PipelineView(StaticFigure, W.VBox):
@@ -131,11 +138,8 @@ class PipelineView(StaticFigure, W.VBox):
         self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
         try:
             cfg.validate(self.cluster.world_size if self.cluster is not None else None)
-        except ValueError as exc:  # a refused value: put the controls back on what is shown
-            if self.shown is not None:
-                self._show_controls(self.shown)
-            shown = "" if self.shown is None else f" (the figure still shows {self._name()})"
-            self.status.value = S.status_html(f"{exc}{shown}", "error")
+        except ValueError as exc:  # a refused value: the controls go back to what is shown
+            self.status.value = S.status_html(self._refusal(exc), "error")
             return self
         if self.cluster is None:
             sim = simulate(cfg.build_schedule())
@@ -177,6 +181,37 @@ class PipelineView(StaticFigure, W.VBox):
             self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
         finally:
             self._quiet = quiet
+
+    def _values(self) -> dict:
+        return {k: w.value for k, w in self.controls.items()}
+
+    def _refusal(self, exc: ValueError) -> str:
+        """The refusal's one line, with the controls put back on the shown run.
+
+        The controls snap back to the values the figure shows (a control never reads a
+        value nothing was run with), and the line names what was refused beside what was
+        kept: ``"M=2 refused: <reason>; the controls are back on the last valid M=4 (the
+        figure shows dualpipe-v: P=2, M=4, V=2)"``. With nothing shown yet (the starting
+        values refused) the controls keep the values the reason names."""
+        reason = str(exc).rstrip(".")
+        if self.shown is None:
+            return f"{reason}; nothing is drawn yet: choose other values"
+        cfg, chosen = self.shown, self._values()
+        ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
+               "microbatches": cfg.flush_microbatches, "virtual_stages": cfg.stages_per_rank}
+        # V counts only for the schedule that takes it (the slider is disabled otherwise)
+        refused = [k for k in chosen if chosen[k] != ran[k]
+                   and (k != "virtual_stages" or chosen["schedule"] == "interleaved")]
+        self._show_controls(cfg)
+        kept = self._values()
+        back = [k for k in refused if kept[k] == ran[k]]  # the controls that moved back
+        if not refused:  # the values shown, refused now (e.g. fewer ranks): nothing to undo
+            return f"{reason} (the figure shows {self._name()}, run before)"
+        was = ", ".join(f"{LABELS[k]}={chosen[k]}" for k in refused)
+        now = ", ".join(f"{LABELS[k]}={kept[k]}" for k in back)
+        return (f"{was} refused: {reason}; " + (f"the controls are back on the last valid "
+                                                f"{now} " if back else "")
+                + f"(the figure shows {self._name()})")
 
     def _name(self) -> str:
         """The shown configuration as the title names it."""

@@ -26,7 +26,8 @@ def _bw(v: float) -> str:
 
 
 def render_plan(console, plan, terms: bool = False) -> None:
-    """Memory by category, communication per axis, times and MFU of one plan."""
+    """Memory by category, communication per axis (with ``ep``, the expert all-to-all,
+    for a mixture-of-experts model), times and MFU of one plan."""
     from rich.table import Table
 
     lay, m = plan.layout, plan.model
@@ -48,7 +49,10 @@ def render_plan(console, plan, terms: bool = False) -> None:
     c = Table(title="communication per GPU and step")
     for col in ("axis", "degree", "level", "GB/s", "GB sent", "time s", "exposed s", "what"):
         c.add_column(col, justify="left" if col in ("axis", "level", "what") else "right")
-    for a in ("tp", "cp", "pp", "dp"):
+    # a mixture-of-experts model adds the expert all-to-all (dispatch + combine) as its
+    # own axis, timed like the others (labkit.plan.experts.expert_all_to_all_time)
+    axes = ("tp", "cp", "pp", "dp") + (("ep",) if m.moe or lay.ep > 1 else ())
+    for a in axes:
         x = plan.comm[a]
         c.add_row(a, str(x.degree), x.level, _bw(x.bandwidth), f"{x.bytes / 1e9:,.2f}",
                   f"{x.seconds:.3f}", f"{x.exposed:.3f}", x.desc)

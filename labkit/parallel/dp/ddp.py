@@ -38,47 +38,13 @@ from torch import nn
 
 from ... import comm
 from .ordered import CollectiveProgram, at_end_of_backward, grad_stamp, same_stamp
+# moved out (importable from here as before): the parameter helpers, and PyTorch's DDP
+from .params import (REDUCE_OPS, _broadcast_parameters, check_reduce_op,  # noqa: F401
+                     ignored_ids, unique_parameters)
+from .torch_ddp import torch_ddp  # noqa: F401
 
 __all__ = ["DataParallel", "unique_parameters", "torch_ddp", "check_reduce_op",
            "ignored_ids"]
-
-REDUCE_OPS = ("avg", "sum")
-
-
-def unique_parameters(module: nn.Module, ignored: Iterable = ()) -> list:
-    """(name, parameter) pairs that need gradients, tied weights listed once, ``ignored``
-    parameters left out."""
-    skip = {id(p) for p in ignored}
-    seen, out = set(), []
-    for name, p in module.named_parameters():
-        if p.requires_grad and id(p) not in seen and id(p) not in skip:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
-
-
-def check_reduce_op(reduce_op: str) -> str:
-    """``"avg"`` or ``"sum"``, else ``ValueError``."""
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"reduce_op must be 'avg' (mean over ranks, as torch DDP/FSDP) or "
-                         f"'sum' (plain sum: divide the loss by the global token count), "
-                         f"got {reduce_op!r}")
-    return reduce_op
-
-
-def ignored_ids(module: nn.Module, ignored_params: Iterable) -> set:
-    """``id`` s of ``ignored_params``, each checked to be a parameter of ``module``.
-
-    Raises:
-        ValueError: one of them is not a parameter of ``module``.
-    """
-    ignored = list(ignored_params or ())
-    mine = {id(p) for p in module.parameters()}
-    stray = [i for i, p in enumerate(ignored) if id(p) not in mine]
-    if stray:
-        raise ValueError(f"ignored_params: entries {stray} of {len(ignored)} are not "
-                         f"parameters of the wrapped module")
-    return {id(p) for p in ignored}
 
 
 class _Bucket:
@@ -101,28 +67,6 @@ class _Bucket:
         """Not sent this step, or a gradient changed since it was."""
         return self.stamps is None or not all(
             same_stamp(s, p.grad) for s, (_, p) in zip(self.stamps, self.params))
-
-
-def _broadcast_parameters(params: list, src: int, group, axis: str) -> None:
-    """Copy every parameter from global rank ``src`` to the group in one broadcast per
-    dtype and device (a flat buffer, as torch DDP's ``_sync_module_states`` coalesces):
-    on a warm pool a slider's re-run pays one collective's latency, not one per tensor.
-    Bytes: the parameters' bytes per hop, as per-tensor broadcasts would send."""
-    by_kind: dict = {}
-    for p in params:
-        by_kind.setdefault((p.dtype, p.device), []).append(p)
-    me = torch.distributed.get_rank()
-    with torch.no_grad():
-        for ps in by_kind.values():
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            comm.broadcast(flat, src, group, axis=axis)
-            if me == src:
-                continue
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
 
 
 class DataParallel(nn.Module):
@@ -321,26 +265,3 @@ class DataParallel(nn.Module):
                 f"pass, freeze them (requires_grad=False), or pass find_unused=True (torch "
                 f"DDP: find_unused_parameters=True): this rank then contributes zeros, and a "
                 f"parameter no rank used keeps grad None.")
-
-
-def torch_ddp(module: nn.Module, group=None, bucket_mb: float = 25.0,
-              find_unused: bool = False) -> nn.Module:
-    """PyTorch's ``DistributedDataParallel`` with a comm hook routed through labkit.comm,
-    so its bucket all-reduces are traced and counted like labkit's own."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(module, process_group=group, bucket_cap_mb=bucket_mb,
-              find_unused_parameters=find_unused)
-    world = comm.group_size(group)
-
-    def hook(state, bucket):
-        buf = bucket.buffer()
-        handle = comm.all_reduce(buf, group=group, axis="dp", async_op=True, impl="torch-ddp")
-
-        def done(fut):
-            handle.complete()
-            return fut.value()[0].div_(world)
-        return handle.work.get_future().then(done)
-
-    ddp.register_comm_hook(None, hook)
-    return ddp
