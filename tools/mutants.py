@@ -473,7 +473,8 @@ def _pytest(tree: Path, tests: tuple, timeout: float) -> tuple:
     for t in tests:  # "FILE[::NODE] [-k EXPRESSION]": the expression is one argument
         head, _, expr = t.partition(" -k ")
         args.append(shlex.split(head) + (["-k", expr] if expr else []))
-    env = dict(os.environ, PYTHONPATH=str(tree / "_pp"), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=str(tree / "_pp"), PYTHONDONTWRITEBYTECODE="1",
+               COLUMNS="240")  # room for the failure message in the short summary
     t0, tail, rc = time.time(), "", 0
     for sel in args:  # each selection separately, stopping at the first that fails
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *sel]
@@ -484,10 +485,17 @@ def _pytest(tree: Path, tests: tuple, timeout: float) -> tuple:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             return None, time.time() - t0, out[-800:]
-        rc, tail = p.returncode, (p.stdout + p.stderr)[-800:]
+        rc, tail = p.returncode, p.stdout[-1500:] + p.stderr[-500:]  # the summary: stdout's end
         if rc != 0:
             break
     return rc, time.time() - t0, tail
+
+
+def _failures(tail: str, n: int = 2) -> list:
+    """pytest's short-summary lines (``FAILED node - message``) in ``tail``, the first
+    ``n``, each cut to one screen line: whether a mutant was caught for the right reason."""
+    lines = [x for x in tail.splitlines() if x.startswith(("FAILED ", "ERROR "))]
+    return [x if len(x) <= 240 else x[:237] + "..." for x in lines[:n]]
 
 
 def run(mutants, timeout: float, baseline: bool) -> int:
@@ -521,6 +529,8 @@ def run(mutants, timeout: float, baseline: bool) -> int:
                 caught.append(m)
                 how = "timeout" if rc is None else "tests failed"
                 print(f"caught   {m.name} ({how}, {secs:.0f} s)", flush=True)
+                for line in _failures(tail):  # which test failed, and on what
+                    print(f"   {line}", flush=True)
             else:  # pytest itself failed (no tests collected, usage error): not a catch
                 errors.append(m)
                 print(f"ERROR    {m.name} (pytest rc={rc}, {secs:.0f} s)\n   "
