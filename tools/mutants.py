@@ -7,6 +7,8 @@ the change in that copy, runs the mutant's tests there (``PYTHONPATH`` at the co
 ``_pp/``, so the ranks run the mutated code too) with a timeout, and puts the file back.
 A mutant is *caught* when its tests fail (or time out), *survived* when they pass, *stale*
 when its original text is no longer in the file (reported, never skipped silently).
+tests/test_mutants_static.py checks in CI, without planting anything, that every original
+text still occurs exactly once, that the planted file parses and that the named tests exist.
 
     python tools/mutants.py                 # all mutants; prints caught/total and survivors
     python tools/mutants.py --list          # names, files and descriptions
@@ -45,6 +47,9 @@ TRAIN = "tests/test_train.py"
 CTX = "tests/test_context.py"
 EXP = "tests/test_expert.py"
 VIT = "tests/test_vit_parallel.py"
+A2A = "tests/test_plan_all_to_all.py"
+STEP = "tests/test_step_model.py"
+FAULTS = "tests/test_faults.py"
 
 MUTANTS = [
     # ------------------------------------------------------------------ TP / SP
@@ -377,6 +382,71 @@ MUTANTS = [
            "    res = act",
            "tp bytes under bf16 autocast counted all-bf16 (the residual side moves fp32)",
            ("tests/test_matrix.py -k bf16-ckpt-every",)),
+    # ------------------------------------------------------------------ planner: all-to-all
+    Mutant("plan_a2a_nics_pooled", "labkit/plan/network.py",
+           "    t_out = across / (placement.nic_bandwidth * link_efficiency) if across else 0.0",
+           "    t_out = across / (g * placement.nic_bandwidth * link_efficiency) if across else 0.0",
+           "an all-to-all's cross-server bytes use the server's g adapters pooled (as a ring's), "
+           "not the rank's own",
+           (f"{A2A}::test_switched_all_to_all_uses_nvlink_inside_and_each_gpus_adapter_across",)),
+    Mutant("plan_a2a_node_limit_ignored", "labkit/plan/experts.py",
+           "            hit = min(hit, model.node_limit)",
+           "            hit = hit",
+           "DeepSeek-V3's node-limited routing (at most 4 servers a token) is not applied",
+           (f"{A2A}::test_deepseek_v3_layer_all_to_all_by_hand",)),
+    Mutant("plan_a2a_dualpipe_all_unpaired", "labkit/plan/steptime.py",
+           "    unpaired = min(1.0, (p - 1) / mb) if r.ep_overlap and p > 1 else 0.0",
+           "    unpaired = 1.0 if r.ep_overlap and p > 1 else 0.0",
+           "DualPipe's all-to-all exposed in every chunk, not only warm-up and cool-down's",
+           (f"{A2A}::test_exposed_all_to_all_follows_the_runtime_overlap",)),
+    # ------------------------------------------------------------------ planner: working set
+    Mutant("plan_working_set_gate_up_freed_early", "labkit/plan/working_set.py",
+           "        r.free(\"silu\")\n        out = row_out(\"w2\")\n"
+           "        r.free(\"product\", \"gate\", \"up\")",
+           "        r.free(\"silu\", \"gate\", \"up\")\n        out = row_out(\"w2\")\n"
+           "        r.free(\"product\")",
+           "the replayed tensor-parallel SwiGLU frees gate and up before w2 (autograd keeps them "
+           "until the block's output)",
+           ("tests/test_fake_rank.py::test_405b_layer_working_set_is_the_mlps_reduce_scatter",)),
+    # ------------------------------------------------------------------ step model
+    Mutant("step_model_overlapped_as_blocking", "labkit/measure/step_model.py",
+           "        out[id(e)] = OVERLAPPED if any(e.start < s < e.end for s in starts) else BLOCKING",
+           "        out[id(e)] = BLOCKING",
+           "a call the rank computed through (DDP's buckets, FSDP's prefetch) is priced as "
+           "blocking",
+           (f"{STEP}::test_blocking_call_costs_its_prediction_overlapped_only_what_compute_does_"
+            "not_hide",)),
+    Mutant("step_model_collective_before_last_member", "labkit/measure/step_model.py",
+           "                    if gk not in resolved and all(m in got for m in members):\n"
+           "                        resolved[gk] = max(got[m] for m in members) + price(e)",
+           "                    if gk not in resolved:\n"
+           "                        resolved[gk] = max(got.values()) + price(e)",
+           "a collective starts when its first member arrives, not its last",
+           (f"{STEP}::test_a_collective_starts_when_its_last_member_arrives",)),
+    Mutant("step_model_pipeline_p2p_dropped", "labkit/measure/step_model.py",
+           "        link = sum(price(e) for e in p2p) / len(p2p) if p2p else 0.0",
+           "        link = 0.0",
+           "the pipeline's stage-to-stage transfers are left off the simulated critical path",
+           (f"{STEP}::test_pipeline_bubble_and_p2p_on_the_critical_path",)),
+    # ------------------------------------------------------------------ faults, snapshots
+    Mutant("fault_stall_in_backend_not_detected", "labkit/faults/diagnose.py",
+           "    if missing:\n        return report\n",
+           "    if missing:\n        return report\n    return None\n",
+           "a collective every member entered and none left (a stall inside the backend) is "
+           "not reported as a hang",
+           (f"{FAULTS}::test_a_stall_inside_the_backend_is_diagnosed_without_ranks",)),
+    Mutant("fault_live_straggler_first_steps", "labkit/faults/straggler.py",
+           "        last = list(units.values())[-window:]",
+           "        last = list(units.values())[:window]",
+           "the live straggler rule looks at a group's first steps, not its latest",
+           (f"{FAULTS}::test_live_straggler_from_flight_records_without_ranks",)),
+    Mutant("snapshot_fsdp2_even_chunk_offsets", "labkit/snapshot/state.py",
+           "                local_shape, base = tuple(chunk.sizes), tuple(chunk.offsets)",
+           "                local_shape, base = tuple(chunk.sizes), (p.device_mesh.get_local_rank()"
+           " * chunk.sizes[0], *chunk.offsets[1:])",
+           "a FSDP2 chunk's global offset taken as rank × its own rows (right only for even "
+           "chunks; FSDP2's last ranks hold fewer rows, or none)",
+           ("tests/test_snapshot.py::test_snapshot_holds_the_reference_state",)),
 ]
 
 
@@ -403,7 +473,8 @@ def _pytest(tree: Path, tests: tuple, timeout: float) -> tuple:
     for t in tests:  # "FILE[::NODE] [-k EXPRESSION]": the expression is one argument
         head, _, expr = t.partition(" -k ")
         args.append(shlex.split(head) + (["-k", expr] if expr else []))
-    env = dict(os.environ, PYTHONPATH=str(tree / "_pp"), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, PYTHONPATH=str(tree / "_pp"), PYTHONDONTWRITEBYTECODE="1",
+               COLUMNS="240")  # room for the failure message in the short summary
     t0, tail, rc = time.time(), "", 0
     for sel in args:  # each selection separately, stopping at the first that fails
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *sel]
@@ -414,10 +485,17 @@ def _pytest(tree: Path, tests: tuple, timeout: float) -> tuple:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             return None, time.time() - t0, out[-800:]
-        rc, tail = p.returncode, (p.stdout + p.stderr)[-800:]
+        rc, tail = p.returncode, p.stdout[-1500:] + p.stderr[-500:]  # the summary: stdout's end
         if rc != 0:
             break
     return rc, time.time() - t0, tail
+
+
+def _failures(tail: str, n: int = 2) -> list:
+    """pytest's short-summary lines (``FAILED node - message``) in ``tail``, the first
+    ``n``, each cut to one screen line: whether a mutant was caught for the right reason."""
+    lines = [x for x in tail.splitlines() if x.startswith(("FAILED ", "ERROR "))]
+    return [x if len(x) <= 240 else x[:237] + "..." for x in lines[:n]]
 
 
 def run(mutants, timeout: float, baseline: bool) -> int:
@@ -451,6 +529,8 @@ def run(mutants, timeout: float, baseline: bool) -> int:
                 caught.append(m)
                 how = "timeout" if rc is None else "tests failed"
                 print(f"caught   {m.name} ({how}, {secs:.0f} s)", flush=True)
+                for line in _failures(tail):  # which test failed, and on what
+                    print(f"   {line}", flush=True)
             else:  # pytest itself failed (no tests collected, usage error): not a catch
                 errors.append(m)
                 print(f"ERROR    {m.name} (pytest rc={rc}, {secs:.0f} s)\n   "
