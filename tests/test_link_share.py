@@ -53,6 +53,11 @@ def test_a_group_spanning_both_nodes_uses_the_whole_link_and_the_same_groups_ran
     # on node 0, so it adds a whole flow when it overlaps all of the call
     a, b = _ar(0, 0.0, 1.0, (0, 1)), _ar(2, 0.0, 1.0, (2, 3))
     assert link_efficiency([a, b], CYCLIC, 2)[id(a)] == pytest.approx(1.0)
+    # the caller's own call of another group (a data-parallel bucket in flight over half
+    # of a tensor-parallel call) is another flow; a second call of its own group is not
+    tp, dp = _ar(0, 0.0, 1.0, (0, 1)), _ar(0, 0.5, 3.0, (0, 3))
+    again = _ar(0, 0.0, 1.0, (0, 1))
+    assert link_efficiency([tp, dp, again], CYCLIC, 2)[id(tp)] == pytest.approx(2 / 1.5)
 
 
 def test_the_step_model_prices_a_crossing_call_with_its_share_and_the_worst_case_without():
@@ -93,6 +98,10 @@ def test_the_links_line_is_fitted_over_the_whole_sweep():
     h2, b2 = fit_alpha_beta(slow, 0.0)
     assert 2 * h2 == pytest.approx(1.1 * (base + 2 * hop), rel=1e-9)
     assert b2 == pytest.approx(bw / 1.1, rel=1e-9)
+    # the 4 MiB call 5 % slow: the relative fit keeps the hop within 5 % (an absolute
+    # least-squares fit lets that one call pull the hop to a third of its value)
+    skew = pts[:-1] + [(pts[-1][0], 1.05 * pts[-1][1])]
+    assert fit_alpha_beta(skew, base)[0] == pytest.approx(hop, rel=0.05)
     h3, b3 = fit_alpha_beta([(1e3, 1e-6 + 1e3 / bw), (1e6, 1e-6 + 1e6 / bw)], 1e-4)
     assert h3 == 0.0 and b3 > 0
     with pytest.raises(ValueError, match="2 distinct sizes"):
@@ -120,3 +129,24 @@ def test_the_inside_pair_shares_a_node_and_the_across_pair_does_not(world, n, pl
     assert (inside, across) == want
     assert c.node_of(inside[0]) == c.node_of(inside[1])
     assert c.node_of(across[0]) != c.node_of(across[1])
+
+
+def test_measure_links_times_the_pairs_of_the_clusters_placement():
+    """measure_links asks the ranks to time link_pairs' groups (a cyclic cluster's ranks 0
+    and 1 sit in different nodes) and labels the rows by them."""
+    from labkit.collectives.links import measure_links
+
+    class Run(_Cluster):
+        inter_node = 62.5e6
+
+        def run(self, job, cfg):
+            self.groups = cfg.groups
+
+            class R:
+                outputs = [[{"group": g, "op": "all_reduce", "call": 0, "time_s": 1e-3}
+                            for g in cfg.groups]]
+            return R()
+
+    c = Run(4, 2, "cyclic")
+    rows = {r["where"]: r["group"] for r in measure_links(c, ("all_reduce",), 1024, 1)}
+    assert c.groups == ((0, 2), (0, 1)) and rows == {"inside": (0, 2), "across": (0, 1)}

@@ -47,10 +47,11 @@ def link_efficiency(events: Sequence, phys: Dict[int, int], per_node: int) -> Di
         per_node: ranks per node.
 
     For a call of rank ``r`` whose group has ``g`` members on ``r``'s node, the flows on
-    that node's link while it ran are ``k = 1 + Σ f / g'``: for every other rank of the node
-    outside the call's group, ``f`` is the fraction of the call's span covered by that
-    rank's own crossing calls of other groups, and ``g'`` their group's members on the node
-    (the ranks of one group move one set of flows). The planner assumed ``per_node / g``
+    that node's link while it ran are ``k = 1 + Σ f / g'``: for every rank of the node (the
+    caller too: a rank may have a data-parallel bucket in flight beside a tensor-parallel
+    call) and every other group it crosses with, ``f`` is the fraction of the call's span
+    covered by that rank's calls of the group, and ``g'`` the group's members on the node
+    (the ranks of one group move one set of flows; the call's own group adds none). The planner assumed ``per_node / g``
     flows, so the factor is ``(per_node / g) / k``: ``1`` when the node's ranks did cross
     together, up to ``per_node / g`` when the call crossed alone. It multiplies the
     bandwidth (``predict_comm``'s ``efficiency``); latency is unchanged.
@@ -73,7 +74,7 @@ def link_efficiency(events: Sequence, phys: Dict[int, int], per_node: int) -> Di
         k = 1.0
         if span > 0:
             for r2, calls in by_rank.items():
-                if node[r2] != n or r2 in m:
+                if node[r2] != n:
                     continue
                 others = [(o.start, o.end, om) for o, om in calls if om != m]
                 for om in {om for _, _, om in others}:
