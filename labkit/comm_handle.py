@@ -42,7 +42,8 @@ class Handle:
 
     def note_done(self) -> None:
         """For an op left in flight: record in its event's ``args`` when the backend
-        finished it (``"done"``, a future callback on the backend's thread) and, in
+        finished it (``"done"``, seconds on the tracer's clock, from a future callback on
+        the backend's thread, through :meth:`labkit.trace.Tracer.stamp`) and, in
         :meth:`wait`, when the caller started waiting (``"waited"``). A timeline can then
         tell the transfer from the time the op sat finished, and from the caller's block
         (``end − waited``). gloo gives no future for send/recv: those get ``"waited"`` only."""
@@ -51,8 +52,10 @@ class Handle:
             return
         event.args["async"] = True
 
-        def done(_fut, args=event.args, now=tracer.now):
-            args["done"] = now()
+        def done(_fut, event=event, stamp=tracer.stamp):
+            # the backend's thread: kept aside, never written into the event from here
+            # (it may be recorded already, and being pickled; see Tracer.stamp)
+            stamp(event, "done")
         try:
             self._work.get_future().add_done_callback(done)
         except RuntimeError:  # "Work::getFuture not implemented" (gloo's send/recv)

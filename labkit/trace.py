@@ -21,7 +21,8 @@ so its span covers the kernels it launched, not just their launch.
 from __future__ import annotations
 
 import contextvars
-import json
+import dataclasses
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,11 @@ class Tracer:
         device: when CUDA, regions synchronize it so spans cover kernel time.
         offset: seconds added to every timestamp (cross-node clock alignment).
         enabled: when False, ``region`` and ``record`` do nothing.
+
+    Threads: a future callback on the backend's thread may close an async call or say
+    when the backend finished it. No other thread writes into a recorded event: such a
+    time waits under a lock (:meth:`stamp`) until :meth:`record` or :meth:`snapshot`, and a
+    rank ships a :meth:`snapshot`: copies no later callback can change, even mid-pickle.
     """
 
     def __init__(self, rank: int = 0, device=None, offset: float = 0.0, enabled: bool = True):
@@ -103,6 +109,9 @@ class Tracer:
         self.step = -1
         self.events: list[Event] = []
         self._sync = _cuda_sync(device)
+        self._lock = threading.Lock()
+        #: ``id(event) -> (event, {arg: seconds})``: stamps not yet in their event's args
+        self._stamps: dict = {}
 
     def now(self) -> float:
         return time.perf_counter() + self.offset
@@ -119,12 +128,40 @@ class Tracer:
             yield
         finally:
             self._sync()
-            self.events.append(Event(self.rank, name, cat, t0, self.now(), self.step, args=args))
+            event = Event(self.rank, name, cat, t0, self.now(), self.step, args=args)
+            with self._lock:
+                self.events.append(event)
 
     def record(self, event: Event) -> None:
+        """Append ``event`` (any thread), with the stamps :meth:`stamp` kept for it."""
         if self.enabled:
-            event.step = self.step if event.step == -1 else event.step
-            self.events.append(event)
+            with self._lock:
+                event.step = self.step if event.step == -1 else event.step
+                _merge(self._stamps.pop(id(event), None))
+                self.events.append(event)
+
+    def stamp(self, event: Event, key: str, t: Optional[float] = None) -> None:
+        """Note that ``event`` reached ``key`` (e.g. ``"done"``) at ``t`` (seconds on this
+        tracer's clock; now when ``None``). Safe on any thread: ``event`` is not touched
+        here, the time enters ``event.args[key]`` at :meth:`record` or :meth:`snapshot`."""
+        t = self.now() if t is None else t
+        if self.enabled:
+            with self._lock:
+                self._stamps.setdefault(id(event), (event, {}))[1][key] = t
+
+    def snapshot(self) -> list[Event]:
+        """Copies of the recorded events (each with its own ``args`` dict), with every stamp
+        that has arrived merged in first: the consistent view a rank ships to its parent.
+        A stamp arriving later waits for the next snapshot; it never changes a copy."""
+        with self._lock:
+            for pending in self._stamps.values():
+                _merge(pending)
+            self._stamps.clear()
+            return [dataclasses.replace(e, args=dict(e.args)) for e in self.events]
+
+    def packed(self) -> list:
+        """What a rank sends its parent: :meth:`snapshot`, as :func:`pack_events` rows."""
+        return pack_events(self.snapshot())
 
     def flag_step(self, instrumented: str, **args) -> None:
         """Flag the current step as run under ``instrumented`` (e.g. ``"memory"``): a
@@ -133,6 +170,13 @@ class Tracer:
         now = self.now()
         self.record(Event(self.rank, f"instrumented: {instrumented}", MARK, now, now,
                           args={"instrumented": instrumented, **args}))
+
+
+def _merge(pending) -> None:
+    """Write a :meth:`Tracer.stamp` entry ``(event, {key: t})`` into its event's args."""
+    if pending is not None:
+        event, times = pending
+        event.args.update(times)
 
 
 def _cuda_sync(device):
@@ -259,38 +303,14 @@ class Trace:
         return [asdict(e) for e in self.events]
 
     def to_chrome(self, path: Optional[str] = None) -> dict:
-        """Chrome trace-event JSON (Perfetto, chrome://tracing): one track per rank.
-
-        Compute and communication go on separate threads of the rank's track so overlap
-        (e.g. a bucket all-reduce under backward) is visible. Times are microseconds.
+        """Chrome trace-event JSON (Perfetto, chrome://tracing): one track per rank, every
+        time in µs from ``t0`` (see :func:`labkit.trace_chrome.to_chrome`).
 
         Returns the JSON object; writes it to ``path`` when given.
         """
-        out = []
-        for r in self.ranks:
-            out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
-                        "args": {"name": f"rank {r}"}})
-            for tid, label in ((0, "compute"), (1, "communication")):
-                out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
-                            "args": {"name": label}})
-        for e in self.events:
-            args = {"step": e.step, **{k: _jsonable(v) for k, v in e.args.items()}}
-            if e.cat == MARK:  # an instant event on the rank's compute thread
-                out.append({"ph": "i", "s": "t", "name": e.name, "cat": e.cat, "pid": e.rank,
-                            "tid": 0, "ts": (e.start - self.t0) * 1e6, "args": args})
-                continue
-            if e.op:
-                args.update(op=e.op, bytes_sent=e.bytes_sent, bytes_recv=e.bytes_recv,
-                            axis=e.axis, peers=list(e.peers))
-            out.append({"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
-                        "tid": 0 if e.cat == COMPUTE else 1,
-                        "ts": (e.start - self.t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6,
-                        "args": args})
-        doc = {"traceEvents": out, "displayTimeUnit": "ms"}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(doc, f)
-        return doc
+        from .trace_chrome import to_chrome
+
+        return to_chrome(self, path)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -302,6 +322,3 @@ class Trace:
         return (f"Trace({len(self.events)} events: {len(self.events) - marks} spans + {marks} "
                 f"marks, ranks={self.ranks}, span={span:.3f} s)")
 
-
-def _jsonable(v):
-    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)

@@ -118,7 +118,7 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
     import torch
     import torch.distributed as dist
 
-    from .trace import Tracer, pack_events, use_tracer
+    from .trace import Tracer, use_tracer
 
     torch.set_num_threads(threads)
     if device_type == "cuda":
@@ -176,7 +176,7 @@ def worker_main(rank: int, world_size: int, store_path: str, backend: str, devic
             with use_tracer(tracer), job_hooks_removed():
                 out = job(ctx, config)
             conn.send(("result", job_id, rank, {"output": out,
-                                                "events": pack_events(tracer.events)}))
+                                                "events": tracer.packed()}))
         except BaseException:
             conn.send(("error", job_id, rank, traceback.format_exc()))
         # Nothing of a job outlives it but what the pool keeps on purpose (groups, cache):

@@ -1,9 +1,16 @@
-"""Traces: one clock across ranks, Chrome export, byte and overlap queries."""
+"""Traces: one clock across ranks, Chrome export, byte and overlap queries, and what a rank
+ships when a backend callback fires around the send."""
+import copy
 import json
+import pickle
+
+import torch
 
 from labkit import jobs
 from labkit.config import RunConfig
-from labkit.trace import Event, Trace, Tracer, pack_events, region, unpack_events, use_tracer
+from labkit.comm_handle import Handle
+from labkit.trace import (MARK, Event, Trace, Tracer, pack_events, region, unpack_events,
+                          use_tracer)
 
 
 def test_tracer_regions_and_contextvar():
@@ -44,21 +51,115 @@ def test_overlap_and_busy_time():
     assert tr.comm_bytes(0) == 8.0
 
 
+def _chrome_entry(e: Event, t0: float) -> dict:
+    """The Chrome entry ``e`` must export as, written out field by field: every time
+    (``ts``, and the clock readings ``done``/``waited`` in args) in µs from ``t0``."""
+    us = lambda t: (t - t0) * 1e6  # noqa: E731
+    args = {"step": e.step}
+    for k, v in e.args.items():
+        args[k] = us(v) if k in ("done", "waited") and v is not None else \
+            v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+    if e.cat == MARK:
+        return {"ph": "i", "s": "t", "name": e.name, "cat": e.cat, "pid": e.rank, "tid": 0,
+                "ts": us(e.start), "args": args}
+    if e.op:
+        args.update(op=e.op, bytes_sent=e.bytes_sent, bytes_recv=e.bytes_recv, axis=e.axis,
+                    peers=list(e.peers))
+    return {"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
+            "tid": 0 if e.cat == "compute" else 1, "ts": us(e.start),
+            "dur": max(e.end - e.start, 0.0) * 1e6, "args": args}
+
+
 def test_chrome_export_from_a_real_run(cluster2, tmp_path):
-    r = cluster2.run(jobs.train, RunConfig(steps=2, measure_memory=False, count_flops=False)
+    """Bucketed data parallelism on 2 ranks (async all-reduces with ``done`` and ``waited``,
+    a memory-tracked step's mark): the written file, loaded back, holds every event of the
+    in-memory trace exactly, times in µs from the trace's t0, args' clock readings too."""
+    r = cluster2.run(jobs.train, RunConfig(steps=2, count_flops=False, bucket_mb=0.01)
                      .replace(dp=2))
     path = tmp_path / "run.trace.json"
-    doc = r.trace.to_chrome(str(path))
+    r.trace.to_chrome(str(path))
     loaded = json.loads(path.read_text())
-    assert loaded == json.loads(json.dumps(doc))
-    spans = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
+    meta = [e for e in loaded["traceEvents"] if e["ph"] == "M"]
+    entries = [e for e in loaded["traceEvents"] if e["ph"] != "M"]
+    assert len(entries) == len(r.trace)
+    for got, e in zip(entries, r.trace.events):
+        assert got == json.loads(json.dumps(_chrome_entry(e, r.trace.t0))), (e, got)
+    async_ar = [(g, e) for g, e in zip(entries, r.trace.events)
+                if e.op == "all_reduce" and "done" in e.args and "waited" in e.args]
+    assert {e.rank for _, e in async_ar} == {0, 1}  # the clock args are really exercised
+    assert any(e.cat == MARK for e in r.trace.events)
+    for g, e in async_ar:  # one origin and unit: issue <= done, and done <= wait() returned
+        assert g["ts"] <= g["args"]["done"] <= (e.end - r.trace.t0) * 1e6
+        assert g["ts"] <= g["args"]["waited"]
+    spans = [e for e in entries if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}  # one track per rank
     assert {"forward", "backward", "optimizer", "all_reduce"} <= {e["name"] for e in spans}
     assert min(e["ts"] for e in spans) == 0.0
-    ar = [e for e in spans if e["name"] == "all_reduce"]
-    assert all(e["tid"] == 1 and e["args"]["bytes_sent"] > 0 for e in ar)
-    names = [e["args"]["name"] for e in loaded["traceEvents"] if e["name"] == "process_name"]
+    names = [e["args"]["name"] for e in meta if e["name"] == "process_name"]
     assert names == ["rank 0", "rank 1"]
+
+
+class _Work:
+    """A work object whose future completes when the test says: the backend's thread,
+    made deterministic."""
+
+    def __init__(self):
+        self.fut = torch.futures.Future()
+
+    def get_future(self):
+        return self.fut
+
+    def wait(self):
+        self.fut.wait()
+
+
+def _left_in_flight(tracer: Tracer, work: _Work, **args) -> Event:
+    """An async all-reduce closed without a wait before its backend reported (as a comm
+    hook's ``complete()`` may be), so its ``done`` is still to come."""
+    with use_tracer(tracer):
+        ev = Event(0, "all_reduce", "comm", tracer.now(), 0.0, op="all_reduce", args=args)
+        h = Handle(work, ev)
+        h.note_done()
+        h.complete()
+    return ev
+
+
+def test_a_completion_between_snapshot_and_send_changes_nothing_shipped():
+    tracer, work = Tracer(0), _Work()
+    ev = _left_in_flight(tracer, work)
+    shipped = tracer.packed()  # what the rank sends (labkit.worker)
+    frozen = copy.deepcopy(shipped)
+    work.fut.set_result(None)  # the backend's callback fires after the snapshot, before send
+    assert pickle.loads(pickle.dumps(shipped)) == frozen
+    assert "done" not in tracer.events[0].args  # nor written into the recorded event
+    (later,) = unpack_events(tracer.packed())  # it enters at the next snapshot
+    assert ev.start <= later.args["done"] and later.args["async"] is True
+
+
+def test_a_completion_while_the_events_are_pickled_changes_nothing_shipped():
+    tracer, work = Tracer(0), _Work()
+
+    class FiresWhenPickled:
+        def __reduce__(self):
+            work.fut.set_result(None)  # the backend finishes the call mid-send
+            return (str, ("fired",))
+
+    _left_in_flight(tracer, work, probe=FiresWhenPickled())
+    (shipped,) = unpack_events(pickle.loads(pickle.dumps(tracer.packed())))
+    assert shipped.args == {"probe": "fired", "async": True}
+
+
+def test_a_completion_before_the_record_is_in_the_event():
+    """gloo's order: the future's callbacks run before ``wait()`` returns."""
+    tracer, work = Tracer(0), _Work()
+    with use_tracer(tracer):
+        ev = Event(0, "all_reduce", "comm", tracer.now(), 0.0, op="all_reduce")
+        h = Handle(work, ev)
+        h.note_done()
+        work.fut.set_result(None)
+        h.wait()
+    (got,) = tracer.events
+    assert got.start <= got.args["waited"] and got.start <= got.args["done"] <= got.end
 
 
 def test_ranks_share_one_clock(cluster2):
@@ -72,7 +173,6 @@ def test_the_counts_shown_agree():
     """The trace's repr, the timeline's title and the Chrome file count the same events,
     each saying what it counts: spans (drawn) + marks = events; the file adds one
     process-name and two thread-name entries per rank."""
-    from labkit.trace import MARK
     from labkit_widgets.timeline import TimelineView
 
     ev = [Event(r, n, "compute", t, t + 1.0, 0) for r in (0, 1) for t, n in ((0.0, "forward"),

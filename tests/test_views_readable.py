@@ -122,6 +122,33 @@ def test_calls_left_in_flight_draw_one_bar_each_and_the_waits_apart():
     assert all("finished " in t for t in ar["hovertext"])
 
 
+@pytest.mark.parametrize("impl", ["labkit", "torch"])
+def test_in_flight_bars_lie_between_issue_and_completion_on_a_real_ddp_trace(cluster2, impl):
+    """2-rank bucketed DDP (labkit's: waited handles; torch's: a comm hook closes each call
+    from the future's callback): every call left in flight is drawn from no earlier than
+    its issue to no later than the backend's completion (``done``, when it has one) and the
+    return of its wait; all steps and each step alone (a step's lanes are split anew)."""
+    from labkit import jobs
+    from labkit.config import RunConfig
+    from labkit_widgets.timeline import _drawn_spans
+
+    cfg = RunConfig(steps=2, global_batch=8, measure_memory=False, count_flops=False,
+                    bucket_mb=0.01).replace(dp=2, impl=impl)
+    tr = cluster2.run(jobs.train, cfg).trace
+    calls = [e for e in tr.events if (e.args or {}).get("async")]
+    left = {id(e) for e in calls}
+    assert {e.rank for e in calls if e.args.get("done") is not None} == {0, 1}
+    assert len([e for e in calls if e.rank == 0 and e.step == 1]) > 3  # several buckets
+    for events in [tr.events] + [tr.filter(step=s) for s in (0, 1)]:
+        drawn = _drawn_spans(tr, events)
+        for e in (e for e in events if id(e) in left):
+            lo, hi, how = drawn[id(e)]
+            done = e.args.get("done")
+            assert how == ("done" if done is not None else "waited")
+            last = e.end if done is None else min(done, e.end)
+            assert e.start <= lo <= hi <= last, (impl, e, lo, hi)
+
+
 def test_instrumented_step_is_shaded_named_and_not_drawn_as_a_bar():
     from labkit_widgets import TimelineView
 

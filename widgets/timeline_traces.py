@@ -120,8 +120,11 @@ def _drawn_spans(trace, events) -> dict:
     (``args["done"]``) as the time from the lane's previous completion (or its issue, if
     later) to its own: the lane's time split among the calls that finished in it, so each
     call is its own bar, ending where it finished (gloo runs a group's collectives on a
-    small worker pool, so the split is an attribution, not each call's start). A call
-    with no completion time (gloo's send/recv) draws only the part its caller waited for
+    small worker pool, so the split is an attribution, not each call's start: torch 2.13
+    gives no start for a gloo work, ``Work._get_duration()`` is unsupported, and only a
+    running ``torch.profiler`` sees gloo's ``gloo:<op>`` span start on the worker thread).
+    The bar never starts before the issue nor ends after ``done`` or ``wait()``'s return.
+    A call with no completion time (gloo's send/recv) draws only the part its caller waited for
     it, ``waited``..``end``, hatched: a wait, which includes whatever of the transfer was
     left. The whole span stays as a thin faint "in flight" line.
     """
@@ -155,7 +158,8 @@ def _inflight_text(trace, e, drawn) -> str:
     if a.get("waited") is not None:
         parts.append(f"waited for from {_ms(trace, a['waited']):.3f} ms")
     parts.append(f"wait() returned {_ms(trace, e.end):.3f} ms")
-    how = ("bar: since the lane's previous completion, to this one's" if drawn == "done" else
+    how = ("bar: since the lane's previous completion (or the issue, if later), to this "
+           "one's: gloo reports no start" if drawn == "done" else
            "hatched bar: the caller waited (the backend reports no completion time)")
     return "<br>" + " · ".join(parts[:2]) + "<br>" + " · ".join(parts[2:]) + "<br>" + how
 

@@ -107,7 +107,7 @@ def _run_torchrun(args) -> int:
         with use_tracer(ctx.tracer):
             out = train(ctx, r.cfg)
         events = args.trace or r.cfg.parallel.pp > 1  # the bubble is read from the trace
-        mine = {"output": out, "events": ctx.tracer.events if events else []}
+        mine = {"output": out, "events": ctx.tracer.snapshot() if events else []}
         gathered = [None] * ctx.world_size if ctx.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=ctx.group)
         if ctx.rank == 0:
