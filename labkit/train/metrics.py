@@ -25,11 +25,12 @@ from ..faults import inject
 from ..measure.memory import measure_memory
 from ..plan.comm import comm_bytes, dp_step_comm_bytes
 from ..plan.memory import model_state_bytes
+from .overlap import DP_AXES, overlap_fraction  # noqa: F401 - re-exported
 from .comm_predict import (_bf16_weights, _cp_predicted, _dp_predicted,  # noqa: F401
                            _pp_predicted, _tp_predicted)
 
 __all__ = ["run_steps", "steady_step_time", "memory_metrics", "predicted_memory",
-           "comm_metrics", "comm_by_axis", "overlap_fraction", "flops_and_mfu"]
+           "comm_metrics", "comm_by_axis", "overlap_fraction", "flops_and_mfu", "DP_AXES"]
 
 
 def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
@@ -191,26 +192,6 @@ def comm_by_axis(events, step: int, rank: int) -> dict:
         if e.cat in ("comm", "p2p") and e.step == step and e.rank == rank:
             ops = out.setdefault(e.axis or "world", {})
             ops[e.op] = ops.get(e.op, 0.0) + e.bytes_sent
-    return out
-
-
-def overlap_fraction(events, step: int, rank=None) -> dict:
-    """Fraction of ZeRO-3 all-gather time hidden under compute in ``step``, from the trace.
-
-    An all-gather's span runs from issue to the return of its ``wait``; the ``"wait"``
-    events are the time the compute thread sat blocked on one. Hidden = span − wait.
-    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered: a
-    one-rank shard group's "all-gathers" move no bytes and hide nothing).
-    """
-    out = {}
-    for phase in ("forward", "backward", None):
-        ag = sum(e.duration for e in events if e.op == "all_gather" and e.step == step
-                 and e.bytes_sent > 0 and (rank is None or e.rank == rank)
-                 and e.args.get("phase") in ((phase,) if phase else ("forward", "backward")))
-        wait = sum(e.duration for e in events if e.cat == "wait" and e.step == step
-                   and (rank is None or e.rank == rank)
-                   and (phase is None or e.args.get("phase") == phase))
-        out[phase or "total"] = (min(1.0, max(0.0, 1.0 - wait / ag)) if ag > 0 else None)
     return out
 
 
