@@ -212,10 +212,9 @@ def comm_metrics(ctx, setup, step: int) -> dict:
             "all_reduce", sum(p.numel() for p in setup.expert_params) * 4, mg.size("edp"))}
     if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
-    gpt = cfg.model_config.kind == "gpt"  # the ViT's tp/cp bytes have no formula here yet
-    if cfg.parallel.cp > 1 and gpt:
+    if cfg.parallel.cp > 1:
         predicted["cp"] = _cp_predicted(setup)
-    if cfg.parallel.tp > 1 and gpt:
+    if cfg.parallel.tp > 1:
         predicted["tp"] = _tp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,
