@@ -281,16 +281,22 @@ class Trace:
         return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
     def overlap_fraction(self, rank: int, op: str = "all_reduce",
-                         under: tuple = ("backward",), step=None) -> float:
+                         under: tuple = ("backward",), step=None, axis=None) -> float:
         """Fraction (0–1) of ``rank``'s ``op`` time that ran while a compute region named in
         ``under`` was open: communication hidden behind computation. 0 when there is no
         ``op`` time.
+
+        ``axis`` (a mesh axis name, or a tuple of names) keeps only the calls on it: in a
+        composition the same op runs on several axes (data-parallel bucket all-reduces
+        beside tensor-parallel ones), and ``None`` counts them all.
 
         For async ops the span runs from issue to ``wait()``, so this measures how much of
         the in-flight window the computation covered (on gloo the transfer itself runs on
         a background thread in that window).
         """
-        comm = [(e.start, e.end) for e in self.filter(rank=rank, op=op, step=step)]
+        axes = (axis,) if isinstance(axis, str) else axis
+        comm = [(e.start, e.end) for e in self.filter(rank=rank, op=op, step=step)
+                if axes is None or e.axis in axes]
         busy = [(e.start, e.end) for e in self.filter(rank=rank, cat=COMPUTE, step=step)
                 if e.name in under]
         total = sum(e - s for s, e in comm)

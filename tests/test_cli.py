@@ -261,6 +261,11 @@ def test_ag_hidden_is_a_dash_when_nothing_is_gathered():
     fsdp = {"comm_bytes_by_axis": {"dp": {"all_gather": 459904.0}}, "overlap": overlap}
     assert ag_hidden(hsdp) is None and ag_hidden(fsdp) == 0.54
     assert ag_hidden({"comm_bytes_by_axis": {"dp": {"all_reduce": 1.0}}}) is None
+    # sequence parallelism's all-gathers (axis tp) beside a one-shard ZeRO-3: still nothing
+    # of ZeRO's is gathered, so nothing of it can be hidden
+    sp = {"comm_bytes_by_axis": {"dp": {"all_gather": 0.0}, "tp": {"all_gather": 16384.0}},
+          "overlap": overlap}
+    assert ag_hidden(sp) is None
 
 
 # --------------------------------------------------------------------------- bad input

@@ -47,6 +47,12 @@ def test_overlap_and_busy_time():
                                                            op="all_reduce", bytes_sent=8.0)]
     tr = Trace(ev)
     assert tr.overlap_fraction(0) == 0.5
+    # a tensor-parallel all-reduce outside backward beside the data-parallel one
+    tp = Event(0, "all_reduce", "comm", 2.0, 3.0, op="all_reduce", bytes_sent=8.0, axis="tp")
+    dp = Event(0, "all_reduce", "comm", 0.5, 1.5, op="all_reduce", bytes_sent=8.0, axis="dp")
+    mixed = Trace([ev[0], dp, tp])
+    assert mixed.overlap_fraction(0) == 0.25
+    assert mixed.overlap_fraction(0, axis="dp") == mixed.overlap_fraction(0, axis=("dp",)) == 0.5
     assert tr.busy_time(0) == 1.0
     assert tr.comm_bytes(0) == 8.0
 

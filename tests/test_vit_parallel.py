@@ -2,8 +2,9 @@
 parallelism, against the independent ViT of tests/oracle/vit.py (claim C45).
 
 One warm 4-rank pool runs every layout; each rank's losses, first-step gradients (before
-AdamW) and final parameters must equal the oracle's to fp32 tolerance. Pure checks: the
-refusals before launch, and the video token count of labkit.plan.video.
+AdamW) and final parameters must equal the oracle's to fp32 tolerance, and every axis's
+bytes the job's prediction, to the byte (also against counts by hand from the shapes). Pure
+checks: the refusals before launch, and the video token count of labkit.plan.video.
 """
 from __future__ import annotations
 
@@ -61,6 +62,76 @@ def test_vit_layouts_match_the_oracle_on_every_rank(cluster4):
                     d = (t - ref[key][n]).abs().max().item()
                     if t.shape != ref[key][n].shape or d > TOL:
                         bad.append(f"{name} rank {rank}: {key} {n} differs by {d:.2e}")
+        bad += _bytes_disagree(name, cfg, r)
+    assert not bad, "\n".join(bad[:20])
+
+
+def _bytes_disagree(name: str, cfg, r) -> list:
+    """Every rank's bytes per axis and collective against the job's prediction, which must
+    cover tp and cp wherever their degree is above 1."""
+    bad = []
+    for m in r.metrics:
+        pred = m["comm_predicted_by_axis"]
+        for axis in ("tp", "cp"):
+            if getattr(cfg.parallel, axis) > 1 and axis not in pred:
+                bad.append(f"{name} rank {m['rank']}: no predicted {axis} bytes")
+        for axis, ops in pred.items():
+            got = {k: v for k, v in m["comm_bytes_by_axis"].get(axis, {}).items() if v}
+            want = {k: v for k, v in ops.items() if v}
+            if got != want:
+                bad.append(f"{name} rank {m['rank']} {axis}: measured {got}, predicted {want}")
+    return bad
+
+
+# The bytes of one step from the shapes, by hand: 8 images of 16 patch tokens (8x8 digits in
+# 2x2 patches; + 1 class token with pool="cls"), H = 64, 2 blocks, fp32, one microbatch.
+B, P, H, L = 8, 16, 64, 2
+U = (2 - 1) / 2 * B * P * H * 4          # one all-gather / reduce-scatter of (B, P, H) over 2
+HAND = {
+    # each block: 2 all-reduces forward (attention, MLP outputs) + 2 backward (their
+    # inputs' gradients) of (B, P + 1, H); nothing else is split
+    "tp2-cls": (dict(tp=2, model=preset("vit-digits")),
+                {"tp": {"all_reduce": L * 4 * 2 * (2 - 1) / 2 * B * (P + 1) * H * 4}}),
+    # SP: per block 2 all-gathers + 2 reduce-scatters forward, 2 + 2 backward, 2 regathers;
+    # the split sequence's gradient gathered once; the pooled (B, H) sum all-reduced forward;
+    # the norm weights' gradients (2 per block + the final one, H each) all-reduced
+    "tp2-sp": (dict(tp=2, sequence_parallel=True),
+               {"tp": {"all_gather": (L * 6 + 1) * U, "reduce_scatter": L * 4 * U,
+                       "all_reduce": (2 - 1) * (B * H * 4 + (2 * L + 1) * H * 4)}}),
+    # ring: K and V of this rank's P/2 tokens (2·B·P/2·H·4 bytes) sent once forward, once
+    # more backward and dK/dV twice; the pooled (B, H) sum all-reduced forward and backward
+    "cp2-ring": (dict(cp=2, cp_zigzag=False),
+                 {"cp": {"send": L * 4 * 2 * B * P // 2 * H * 4,
+                         "all_reduce": 2 * 2 * (2 - 1) / 2 * B * H * 4}}),
+}
+# the prediction against the measurement where a hand count would repeat the formula:
+# recomputation and accumulation, tp with cp, bf16 weights under ZeRO-3
+AGREE = {
+    "tp2-cls-checkpoint-accum": dict(tp=2, model=preset("vit-digits"), checkpoint="full",
+                                     micro_batch=4),
+    "tp2-sp-checkpoint": dict(tp=2, sequence_parallel=True, checkpoint="full"),
+    "cp2-allgather-accum": dict(cp=2, cp_method="allgather", micro_batch=2),
+    "tp2-cp2-sp-ring": dict(tp=2, cp=2, sequence_parallel=True, cp_zigzag=False),
+    "dp2-tp2-sp-zero3-bf16": dict(dp=2, tp=2, sequence_parallel=True, zero_stage=3,
+                                  precision="bf16"),
+}
+
+
+def test_vit_bytes_equal_the_prediction_on_every_rank(cluster4):
+    """The ViT's tp and cp bytes of a step, as its traced calls moved them, equal the job's
+    prediction (labkit.train.comm_predict) to the byte on every rank, and where counted by
+    hand above, the hand count too."""
+    bad = []
+    for name, kw in {**{n: kw for n, (kw, _) in HAND.items()}, **AGREE}.items():
+        cfg = BASE.replace(**kw, return_state=False, return_grads=False)
+        r = cluster4.run(jobs.train, cfg)
+        bad += _bytes_disagree(name, cfg, r)
+        for axis, want in HAND.get(name, (None, {}))[1].items():
+            for m in r.metrics:
+                got = {k: v for k, v in m["comm_bytes_by_axis"][axis].items() if v}
+                if got != want:
+                    bad.append(f"{name} rank {m['rank']} {axis}: measured {got}, "
+                               f"by hand {want}")
     assert not bad, "\n".join(bad[:20])
 
 

@@ -67,9 +67,14 @@ def run_json(cfg, outputs: list, info: dict, pipe: dict = None) -> dict:
 
 def ag_hidden(metrics: dict):
     """Fraction of this rank's ZeRO-3 all-gather time hidden under compute, or ``None``
-    when it all-gathered no bytes (one shard per group: the spans are empty calls)."""
+    when it all-gathered no bytes on a data-parallel axis (one shard per group: the spans
+    are empty calls; a tensor-parallel all-gather is not a ZeRO one,
+    :func:`labkit.train.overlap.overlap_fraction`)."""
+    from ..train.overlap import DP_AXES
+
     gathered = sum(ops.get("all_gather", 0.0)
-                   for ops in (metrics.get("comm_bytes_by_axis") or {}).values())
+                   for axis, ops in (metrics.get("comm_bytes_by_axis") or {}).items()
+                   if axis in DP_AXES)
     hidden = (metrics.get("overlap") or {}).get("total")
     return hidden if gathered > 0 else None
 

@@ -5,6 +5,9 @@ Data parallel: the ZeRO paper's 2Ψ / 2Ψ / 3Ψ × (K−1)/K (Rajbhandari et al.
 parallel: Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2 (sequence parallelism);
 context parallel: :func:`labkit.parallel.context.measure.bytes_formula`; pipeline: one
 boundary activation per cross-rank send of the schedule. Bytes sent by this rank per step.
+The ViT shares the GPT's blocks, so its tp and cp bytes are the blocks' over its patch
+tokens (:func:`vit_tokens`) plus its own ends (:func:`_vit_tp_predicted`, the pooled sum
+in :func:`_cp_predicted`).
 """
 from __future__ import annotations
 
@@ -49,42 +52,126 @@ def _tp_predicted(setup) -> dict:
     """Tensor-parallel bytes this rank sends per step, by collective (Shoeybi et al. 2019
     §3; Korthikanti et al. 2022 §4.2 with sequence parallelism), per microbatch:
 
+    * each block (:func:`_tp_blocks`): two all-reduces of ``b·s·H`` forward and two backward,
+      or with SP the same volume as all-gathers and reduce-scatters, plus SP's regathers,
+      checkpoint recomputation and the whole-held weights' gradient all-reduces;
+    * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
+      all-gathered back in backward); the head (last stage): its input's gradient
+      all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
+    * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
+      fp32 (all-reduces).
+
+    ``s`` is the sequence this rank's attention sees (``S/cp``). A ViT has its own ends:
+    :func:`_vit_tp_predicted`."""
+    cfg = setup.cfg
+    mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
+    if mc.kind == "vit":
+        return _vit_tp_predicted(setup)
+    b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
+    act, res, wgt = _tp_dtypes(setup)
+    u_act = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
+    u_res = (t - 1) / t * b * s * h * res
+    out = _tp_blocks(setup, s)
+    add = _adder(out, cfg.accum_steps)
+    for m in setup.stages.values():
+        if m.is_first:
+            add("reduce_scatter", u_res) if sp else add("all_reduce", 2 * u_res)
+            if sp:
+                add("all_gather", u_res)
+        if m.is_last:
+            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
+                # the head's input (res), gathered again in backward (compute dtype)
+                add("all_gather", u_res + u_act)
+                add("reduce_scatter", u_res)
+                add("all_reduce", _ar(t, h * wgt))
+            else:
+                add("all_reduce", 2 * u_res)
+            add("all_reduce", _ar(t, 3 * b * s * 4))
+    return {op: float(v) for op, v in out.items() if v}
+
+
+def vit_tokens(mc, cp: int = 1) -> int:
+    """Tokens of one image each cp rank's ViT blocks see: the ``P = (image/patch)²`` patch
+    tokens, plus the class token with ``pool="cls"`` (which only runs at ``cp = 1``), over
+    ``cp``."""
+    return ((mc.image_size // mc.patch_size) ** 2 + (mc.pool == "cls")) // cp
+
+
+def _vit_tp_predicted(setup) -> dict:
+    """The ViT's tensor-parallel bytes this rank sends per step (:mod:`labkit.parallel.vision`),
+    by collective, per microbatch of ``b`` images with ``s`` = :func:`vit_tokens` tokens:
+
+    * its blocks, the GPT's (:func:`_tp_blocks`);
+    * nothing more without sequence parallelism: the patch projection, class token,
+      position table, final norm and head are whole on every tp rank, and every tp rank
+      computes the same loss (no vocabulary-parallel cross-entropy);
+    * with SP: the embedded ``(b, s, H)`` sequence's gradient all-gathered in backward (its
+      forward split moves nothing), the pooled ``(b, H)`` token sum all-reduced forward,
+      and the final norm's weight gradient (``H``) all-reduced — all on the residual side.
+    """
+    cfg = setup.cfg
+    mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
+    b, s, h = cfg.micro, vit_tokens(mc, cfg.parallel.cp), mc.d_model
+    _, res, wgt = _tp_dtypes(setup)
+    out = _tp_blocks(setup, s)
+    if sp:
+        add = _adder(out, cfg.accum_steps)
+        add("all_gather", (t - 1) / t * b * s * h * res)
+        add("all_reduce", _ar(t, b * h * res) + _ar(t, h * wgt))
+    return {op: float(v) for op, v in out.items() if v}
+
+
+def _tp_dtypes(setup) -> tuple:
+    """``(act, res, wgt)`` bytes per element of a tp region's two sides and of the whole-held
+    weights' gradients. Under ``precision="bf16"`` the two sides of a tp region differ. A
+    matmul's output (the row-parallel partial sums, and their gradients) is bf16 in both
+    bf16 regimes. The residual side — the embedding's output, the norms' outputs that enter
+    the column-parallel matmuls, and those tensors' gradients — is bf16 only where the
+    weights are (ZeRO's bf16 flat units): under autocast over fp32 weights (ZeRO 0, or one
+    data rank) the embedding lookup and the norm are not autocast ops, so they return fp32
+    and the residual stream stays fp32, as in one process under autocast (the oracle's bf16
+    regime). Casting them to bf16 before the collective would round the residual stream and
+    sum the Q/K/V (gate/up) input gradients in bf16: the run would no longer compute what
+    single-process autocast computes. So those collectives move fp32 there, and are counted
+    so."""
+    act = 2 if setup.cfg.precision == "bf16" else 4
+    res = 2 if _bf16_weights(setup) else 4
+    return act, res, res
+
+
+def _ar(t: int, n: float) -> float:
+    """All-reduce bytes one rank sends for ``n`` bytes over ``t`` ranks (ring)."""
+    return 2 * (t - 1) / t * n
+
+
+def _adder(out: dict, micro: int):
+    def add(op: str, n: float) -> None:
+        out[op] = out.get(op, 0.0) + n * micro
+    return add
+
+
+def _tp_blocks(setup, s: int) -> dict:
+    """Tensor-parallel bytes of this rank's blocks per step, by collective, for ``s`` tokens
+    per sequence (per microbatch, × the microbatches):
+
     * each block: two all-reduces of ``b·s·H`` forward (the row-parallel outputs) and two
       backward (the column-parallel inputs' gradients), or with SP the same volume as
       all-gathers (inputs forward, output gradients backward) and reduce-scatters (outputs
       forward, input gradients backward); again for the forward a recomputing checkpoint
       policy repeats; plus the all-reduce of the weight gradients held whole on every tp
       rank (SP's norms; K/V when ``kv_heads < tp``);
-    * the embedding (first stage): its partial outputs all-reduced (SP: reduce-scattered,
-      all-gathered back in backward); the head (last stage): its input's gradient
-      all-reduced (SP: the input all-gathered, its gradient reduce-scattered);
-    * with SP each column-parallel input (the block's two, the head's) is all-gathered
-      again in backward: the job keeps the ``S/T`` shard (``regather``);
-    * the vocab-parallel cross-entropy: the max and the two sums of ``b·s`` logits rows,
-      fp32 (all-reduces).
+    * with SP each block's two column-parallel inputs are all-gathered again in backward:
+      the job keeps the ``S/T`` shard (``regather``).
 
-    ``s`` is the sequence this rank's attention sees (``S/cp``). Under ``precision="bf16"``
-    the two sides of a tp region differ. A matmul's output (the row-parallel partial sums,
-    and their gradients) is bf16 in both bf16 regimes. The residual side — the embedding's
-    output, the norms' outputs that enter the column-parallel matmuls, and those tensors'
-    gradients — is bf16 only where the weights are (ZeRO's bf16 flat units): under autocast
-    over fp32 weights (ZeRO 0, or one data rank) the embedding lookup and the norm are not
-    autocast ops, so they return fp32 and the residual stream stays fp32, as in one process
-    under autocast (the oracle's bf16 regime). Casting them to bf16 before the collective
-    would round the residual stream and sum the Q/K/V (gate/up) input gradients in bf16: the
-    run would no longer compute what single-process autocast computes. So those
-    collectives move fp32 there, and are counted so."""
+    Dtypes: :func:`_tp_dtypes`."""
     from ..parallel.tensor.measure import block_bytes_formula, block_weight_grad_bytes
 
     cfg = setup.cfg
     mc, t, sp = cfg.model_config, cfg.parallel.tp, cfg.sequence_parallel
-    b, s, h = cfg.micro, mc.seq_len // cfg.parallel.cp, mc.d_model
-    act = 2 if cfg.precision == "bf16" else 4   # matmul outputs and their gradients
-    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs
-    wgt = res
+    b, h = cfg.micro, mc.d_model
+    act, res, wgt = _tp_dtypes(setup)
     u_act = (t - 1) / t * b * s * h * act  # one all-gather or reduce-scatter of (b, s, H)
     u_res = (t - 1) / t * b * s * h * res
-    ar = lambda n: 2 * (t - 1) / t * n  # noqa: E731 - all-reduce bytes of n bytes
     # forward: the two regions' outputs; backward: the two regions' input gradients
     fwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=act)["forward"]
     bwd = block_bytes_formula(b, s, h, t, sequence_parallel=sp, bytes_per_elem=res)["backward"]
@@ -92,10 +179,7 @@ def _tp_predicted(setup) -> dict:
         fwd, bwd = fwd / 2, bwd / 2
     layers = sum(len(m.layers) for m in setup.stages.values())
     out: dict = {}
-
-    def add(op: str, n: float) -> None:
-        out[op] = out.get(op, 0.0) + n * cfg.accum_steps
-
+    add = _adder(out, cfg.accum_steps)
     if sp:  # per region: all-gather input (res) + reduce-scatter output (act) forward,
         # all-gather output gradient (act) + reduce-scatter input gradient (res) backward,
         # and both column-parallel inputs gathered again in backward (regather): the shard
@@ -116,21 +200,7 @@ def _tp_predicted(setup) -> dict:
     add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
                                                        mc.kv_heads, sequence_parallel=sp,
                                                        bytes_per_elem=wgt))
-    for m in setup.stages.values():
-        if m.is_first:
-            add("reduce_scatter", u_res) if sp else add("all_reduce", 2 * u_res)
-            if sp:
-                add("all_gather", u_res)
-        if m.is_last:
-            if sp:  # the final norm ran on S/T tokens: its weight gradient is summed too;
-                # the head's input (res), gathered again in backward (compute dtype)
-                add("all_gather", u_res + u_act)
-                add("reduce_scatter", u_res)
-                add("all_reduce", ar(h * wgt))
-            else:
-                add("all_reduce", 2 * u_res)
-            add("all_reduce", ar(3 * b * s * 4))
-    return {op: float(v) for op, v in out.items() if v}
+    return out
 
 
 def _bf16_weights(setup) -> bool:
@@ -143,22 +213,32 @@ def _bf16_weights(setup) -> bool:
 def _cp_predicted(setup) -> dict:
     """Context-parallel bytes this rank sends per step: each block's attention call, forward
     and backward (:func:`labkit.parallel.context.measure.bytes_formula`), per microbatch; a
-    recomputing checkpoint policy runs the forward call twice."""
+    recomputing checkpoint policy runs the forward call twice. A ViT's sequence is its
+    :func:`vit_tokens` (the patches: cp needs ``pool="mean"``), and its pooled ``(b, H)``
+    token sum is all-reduced over cp forward and backward
+    (:class:`~labkit.parallel.vision.SumOverContext`), on the residual side."""
     from ..parallel.context.measure import bytes_formula
 
     cfg = setup.cfg
-    mc = cfg.model_config
-    per = bytes_formula(cfg.cp_method, cfg.parallel.cp, batch=cfg.micro,
+    mc, cp = cfg.model_config, cfg.parallel.cp
+    vit = mc.kind == "vit"
+    per = bytes_formula(cfg.cp_method, cp, batch=cfg.micro,
                         heads=mc.n_heads // cfg.parallel.tp,
-                        kv_heads=mc.kv_heads // cfg.parallel.tp, seq_len=mc.seq_len,
+                        kv_heads=mc.kv_heads // cfg.parallel.tp,
+                        seq_len=vit_tokens(mc) if vit else mc.seq_len,
                         head_dim=mc.head_dim, elem_bytes=2 if cfg.precision == "bf16" else 4)
     layers = sum(len(m.layers) for m in setup.stages.values())
     fwd = per["forward"] * (2 if cfg.checkpoint != "none" else 1)
     n = layers * cfg.accum_steps
     if cfg.cp_method == "allgather":  # gather K/V forward, reduce-scatter dK/dV backward
-        return {"all_gather": float(fwd * n), "reduce_scatter": float(per["backward"] * n)}
-    op = "send" if cfg.cp_method == "ring" else "all_to_all"
-    return {op: float((fwd + per["backward"]) * n)}
+        out = {"all_gather": float(fwd * n), "reduce_scatter": float(per["backward"] * n)}
+    else:
+        out = {"send" if cfg.cp_method == "ring" else "all_to_all":
+               float((fwd + per["backward"]) * n)}
+    if vit:
+        res = _tp_dtypes(setup)[1]
+        out["all_reduce"] = float(2 * _ar(cp, cfg.micro * mc.d_model * res) * cfg.accum_steps)
+    return out
 
 
 def _pp_predicted(setup) -> dict:

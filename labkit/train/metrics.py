@@ -25,11 +25,12 @@ from ..faults import inject
 from ..measure.memory import measure_memory
 from ..plan.comm import comm_bytes, dp_step_comm_bytes
 from ..plan.memory import model_state_bytes
+from .overlap import DP_AXES, overlap_fraction  # noqa: F401 - re-exported
 from .comm_predict import (_bf16_weights, _cp_predicted, _dp_predicted,  # noqa: F401
                            _pp_predicted, _tp_predicted)
 
 __all__ = ["run_steps", "steady_step_time", "memory_metrics", "predicted_memory",
-           "comm_metrics", "comm_by_axis", "overlap_fraction", "flops_and_mfu"]
+           "comm_metrics", "comm_by_axis", "overlap_fraction", "flops_and_mfu", "DP_AXES"]
 
 
 def run_steps(ctx, cfg, step_fn: Callable, model, opt, device,
@@ -194,26 +195,6 @@ def comm_by_axis(events, step: int, rank: int) -> dict:
     return out
 
 
-def overlap_fraction(events, step: int, rank=None) -> dict:
-    """Fraction of ZeRO-3 all-gather time hidden under compute in ``step``, from the trace.
-
-    An all-gather's span runs from issue to the return of its ``wait``; the ``"wait"``
-    events are the time the compute thread sat blocked on one. Hidden = span − wait.
-    Returns ``{"forward", "backward", "total"}`` (``None`` where nothing was gathered: a
-    one-rank shard group's "all-gathers" move no bytes and hide nothing).
-    """
-    out = {}
-    for phase in ("forward", "backward", None):
-        ag = sum(e.duration for e in events if e.op == "all_gather" and e.step == step
-                 and e.bytes_sent > 0 and (rank is None or e.rank == rank)
-                 and e.args.get("phase") in ((phase,) if phase else ("forward", "backward")))
-        wait = sum(e.duration for e in events if e.cat == "wait" and e.step == step
-                   and (rank is None or e.rank == rank)
-                   and (phase is None or e.args.get("phase") == phase))
-        out[phase or "total"] = (min(1.0, max(0.0, 1.0 - wait / ag)) if ag > 0 else None)
-    return out
-
-
 def comm_metrics(ctx, setup, step: int) -> dict:
     """Measured bytes per axis and op in ``step`` beside the predicted data-parallel and
     pipeline traffic."""
@@ -231,10 +212,9 @@ def comm_metrics(ctx, setup, step: int) -> dict:
             "all_reduce", sum(p.numel() for p in setup.expert_params) * 4, mg.size("edp"))}
     if cfg.parallel.pp > 1 and cfg.impl == "labkit":
         predicted["pp"] = _pp_predicted(setup)
-    gpt = cfg.model_config.kind == "gpt"  # the ViT's tp/cp bytes have no formula here yet
-    if cfg.parallel.cp > 1 and gpt:
+    if cfg.parallel.cp > 1:
         predicted["cp"] = _cp_predicted(setup)
-    if cfg.parallel.tp > 1 and gpt:
+    if cfg.parallel.tp > 1:
         predicted["tp"] = _tp_predicted(setup)
     total = sum(v for ops in measured.values() for v in ops.values())
     return {"comm_bytes_by_axis": measured, "comm_predicted_by_axis": predicted,

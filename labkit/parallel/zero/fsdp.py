@@ -265,7 +265,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         u.handle = comm.all_gather(u.flat.data, u.shard.detach(), group=self.shard_group,
                                    axis=self.axis, async_op=True, unit=u.name, phase=phase,
                                    mesh_dim="shard")
-        _blocked("issue", t0, u.name, phase)
+        _blocked("issue", t0, u.name, phase, self.axis)
         self.gathered_bytes += u.padded * self._elem
         self.max_gathered_bytes = max(self.max_gathered_bytes, self.gathered_bytes)
 
@@ -275,7 +275,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         t0 = _now()
         u.handle.wait()
         u.handle, u.gathered = None, True
-        _blocked("wait", t0, u.name, phase)
+        _blocked("wait", t0, u.name, phase, self.axis)
 
     def _reshard(self, u: FlatUnit) -> None:
         if u.handle is not None:
@@ -291,12 +291,14 @@ def _now() -> float:
     return tracer.now() if tracer is not None else 0.0
 
 
-def _blocked(what: str, start: float, unit: str, phase: str) -> None:
-    """Record time the compute thread was blocked on an all-gather (issuing or waiting)."""
+def _blocked(what: str, start: float, unit: str, phase: str, axis: str) -> None:
+    """Record time the compute thread was blocked on an all-gather (issuing or waiting),
+    on the gather's mesh ``axis``: an overlap figure pairs the blocked time with the calls
+    of its own axis (:func:`labkit.train.metrics.overlap_fraction`)."""
     tracer = current_tracer()
     if tracer is not None:
         tracer.record(Event(tracer.rank, f"{what} all_gather", "wait", start, tracer.now(),
-                            args={"unit": unit, "phase": phase}))
+                            axis=axis, args={"unit": unit, "phase": phase}))
 
 
 def _span(name: str, start: float, unit: str) -> None:
