@@ -378,8 +378,8 @@ MUTANTS = [
            "the ViT's residual stream stays a transposed view: each matmul saves its own copy",
            (f"{VIT}::test_planned_vit_activations_equal_the_measured_bytes",)),
     Mutant("tp_bf16_residual_counted_bf16", "labkit/train/comm_predict.py",
-           "    res = 2 if _bf16_weights(setup) else 4      # residual side: embedding, norm outputs",
-           "    res = act",
+           "    res = 2 if _bf16_weights(setup) else 4\n    return act, res, res",
+           "    res = act\n    return act, res, res",
            "tp bytes under bf16 autocast counted all-bf16 (the residual side moves fp32)",
            ("tests/test_matrix.py -k bf16-ckpt-every",)),
     # ------------------------------------------------------------------ planner: all-to-all
