@@ -85,25 +85,28 @@ def test_the_step_model_prices_a_crossing_call_with_its_share_and_the_worst_case
     assert whole["per_rank"][2] == pytest.approx(1.0 + base + 10e6 / 100e6)
 
 
-def test_the_links_line_is_fitted_over_the_whole_sweep():
-    """t = base + 2·hop + S / busbw recovered exactly from points on it; the relative
-    weighting keeps a small call's error as heavy as a big one's; a hop below the floor is
-    clamped at 0; one size is refused."""
+def test_the_links_line_takes_busbw_from_the_big_calls_and_the_hop_from_every_size():
+    """t = base + 2·hop + S / busbw recovered exactly from points on it; busbw from the
+    calls of >= 1 MiB alone; the hop is the median of what each size leaves, so one noisy
+    tiny call or one fast mid-size call moves neither term; one size is refused."""
     base, hop, bw = 8.4e-6, 2e-4, 60e6
-    pts = [(s, base + 2 * hop + s / bw) for s in (4096, 65536, 1 << 20, 4 << 20)]
+    sizes = (4096, 65536, 262144, 1 << 20, 2 << 20, 4 << 20)
+    pts = [(s, base + 2 * hop + s / bw) for s in sizes]
     got_hop, got_bw = fit_alpha_beta(pts, base)
     assert got_hop == pytest.approx(hop, rel=1e-9) and got_bw == pytest.approx(bw, rel=1e-9)
-    # every point 10 % slow: the relative fit moves both terms by 10 %, not just latency
-    slow = [(s, 1.1 * t) for s, t in pts]
-    h2, b2 = fit_alpha_beta(slow, 0.0)
-    assert 2 * h2 == pytest.approx(1.1 * (base + 2 * hop), rel=1e-9)
-    assert b2 == pytest.approx(bw / 1.1, rel=1e-9)
-    # the 4 MiB call 5 % slow: the relative fit keeps the hop within 5 % (an absolute
-    # least-squares fit lets that one call pull the hop to a third of its value)
-    skew = pts[:-1] + [(pts[-1][0], 1.05 * pts[-1][1])]
-    assert fit_alpha_beta(skew, base)[0] == pytest.approx(hop, rel=0.05)
-    h3, b3 = fit_alpha_beta([(1e3, 1e-6 + 1e3 / bw), (1e6, 1e-6 + 1e6 / bw)], 1e-4)
-    assert h3 == 0.0 and b3 > 0
+    # the 4 KiB call 3x slow and the 256 KiB one on the bucket's credit (half its time):
+    # busbw exact, hop exact (the median of six residuals, four of them on the line)
+    noisy = list(pts)
+    noisy[0] = (sizes[0], 3 * pts[0][1])
+    noisy[2] = (sizes[2], 0.5 * pts[2][1])
+    h2, b2 = fit_alpha_beta(noisy, base)
+    assert b2 == pytest.approx(bw, rel=1e-9) and h2 == pytest.approx(hop, rel=1e-9)
+    # the big calls 10 % slow (a slower link): busbw follows them, not the small calls
+    slow = [(s, t + (0.1 * s / bw if s >= 1 << 20 else 0.0)) for s, t in pts]
+    assert fit_alpha_beta(slow, base)[1] == pytest.approx(bw / 1.1, rel=1e-9)
+    # fewer sizes than the cut: the two largest set the slope; a hop below 0 is clamped
+    h3, b3 = fit_alpha_beta([(1e3, 1e-6 + 1e3 / bw), (1e4, 1e-6 + 1e4 / bw)], 1e-4)
+    assert h3 == 0.0 and b3 == pytest.approx(bw, rel=1e-9)
     with pytest.raises(ValueError, match="2 distinct sizes"):
         fit_alpha_beta([(4096, 1e-3), (4096, 2e-3)])
 

@@ -18,6 +18,7 @@ seconds, nothing overlapped, no bubble — beside it.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +38,7 @@ class Links:
     ``inside_bw``/``across_bw``: busbw in bytes/s and ``inside_hop_s``/``across_hop_s``:
     seconds per ring step, the line ``t(S) = base + 2·hop + S / busbw`` that
     :func:`labkit.plan.network.collective_time` prices a two-rank all-reduce with, fitted
-    to every size of the sweep at once; ``configured``: the node link's rate, bytes/s per
+    to the sweep (:func:`fit_alpha_beta`); ``configured``: the node link's rate, bytes/s per
     direction; ``points``: the sweep, ``((where, bytes, seconds), …)``, each size's median
     over calls of the slower rank's time.
     """
@@ -60,47 +61,45 @@ class Links:
 
 
 #: message sizes (bytes) of the links' sweep: the range of a small job's calls
-SWEEP = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+SWEEP = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20)
 
 
-def fit_alpha_beta(points, base: float = 0.0) -> tuple:
+def fit_alpha_beta(points, base: float = 0.0, big: float = 1 << 20) -> tuple:
     """``(hop_s, busbw)`` of the line ``t = base + 2·hop + S / busbw`` through ``points``
-    (``(S bytes, t seconds)`` of two-rank all-reduces, busbw factor 1).
+    (``(S bytes, t seconds)`` of two-rank all-reduces, busbw factor 1), in two robust steps
+    (Hockney's α–β model, each term from the sizes that show it):
 
-    Least squares on the relative error, so a 4 KiB call weighs as much as a 4 MiB one:
-    a job's calls span that range, and a line through two sizes let one noisy tiny call set
-    the latency of every call. The hop is clamped at 0 (then the slope is refitted through
-    ``base``).
+    1. **busbw** from the slope of a least-squares line through the calls of at least
+       ``big`` bytes (the two largest sizes when fewer reach it), where the bytes dominate;
+    2. **the hop** from the median over every point of what its time leaves once its bytes
+       are paid (``t − S / busbw``): one slow tiny call, or one mid-size call that crossed
+       on the link's bucket, moves a median little — a line through one tiny and one big
+       call let a single noisy tiny call set the latency of every call. Clamped at 0.
 
     Raises:
         ValueError: fewer than two distinct sizes, or a time that is not positive.
     """
-    pts = [(float(x), float(t)) for x, t in points]
-    if len({x for x, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
+    pts = sorted((float(x), float(t)) for x, t in points)
+    sizes = sorted({x for x, _ in pts})
+    if len(sizes) < 2 or any(t <= 0 for _, t in pts):
         raise ValueError(f"fit_alpha_beta needs >= 2 distinct sizes and positive times; "
                          f"got {pts}")
-    w = [1.0 / (t * t) for _, t in pts]  # minimise sum(((a + b·S − t) / t)^2)
-    sw = sum(w)
-    sx = sum(wi * x for wi, (x, _) in zip(w, pts))
-    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts))
-    st = sum(wi * t for wi, (_, t) in zip(w, pts))
-    sxt = sum(wi * x * t for wi, (x, t) in zip(w, pts))
-    b = (sw * sxt - sx * st) / (sw * sxx - sx * sx)
-    a = (st - b * sx) / sw
-    if a < base:
-        a = base
-        b = sum(wi * x * (t - a) for wi, (x, t) in zip(w, pts)) / sxx
-    if b <= 0:  # sizes too small to see the bandwidth: the largest one's average rate
-        x, t = max(pts)
-        b = max(t - a, t / 2) / x
+    cut = min(big, sizes[-2])
+    tail = [(x, t) for x, t in pts if x >= cut]
+    mx = sum(x for x, _ in tail) / len(tail)
+    mt = sum(t for _, t in tail) / len(tail)
+    b = (sum((x - mx) * (t - mt) for x, t in tail) / sum((x - mx) ** 2 for x, _ in tail))
+    if b <= 0:  # the big calls no slower than smaller ones: the largest one's average rate
+        b = pts[-1][1] / pts[-1][0]
+    a = statistics.median(t - x * b for x, t in pts)
     return max(0.0, (a - base) / 2), 1.0 / b
 
 
 def measure_cluster_links(cluster, sizes=SWEEP, iters: int = 5) -> Links:
     """:class:`Links` of ``cluster`` (≥ 2 nodes of ≥ 2 ranks, any placement): a two-rank
     all-reduce inside a node and across (:func:`~labkit.collectives.links.link_pairs`) at
-    each of ``sizes`` bytes, ``iters`` calls each, and each pair's line fitted over the
-    whole sweep (:func:`fit_alpha_beta`).
+    each of ``sizes`` bytes, ``iters`` calls each, and each pair's line fitted to the sweep
+    (:func:`fit_alpha_beta`).
 
     Raises:
         ValueError: a cluster of one node or one rank per node (from ``measure_links``).
