@@ -1,7 +1,9 @@
 """``PipelineView``: a pipeline run's F/B/W spans per rank, beside the simulated schedule.
 
 Top panel: what the ranks did — every ``F``/``B``/``W``/``BW`` span of one flush from the
-run's trace, coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
+run's trace (the last flush measured: of the last step not run under the memory tracker,
+its last flush when the step runs several; the panel's title names the step and flush),
+coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
 crossed, ``BW`` dotted), with the idle time between them drawn as grey bubbles. Bottom
 panel: the same schedule simulated on this machine — the run's measured per-stage costs,
 message time and executor time per action
@@ -31,22 +33,25 @@ from labkit.config import RunConfig
 from labkit.parallel.pipeline.bubble import BubbleReport, measure_bubble
 from labkit.parallel.pipeline.presets import PP_TINY
 from labkit.parallel.pipeline.report import pipeline_trace
-from labkit.parallel.pipeline.schedules import SCHEDULES
+from labkit.parallel.pipeline.schedules import SCHEDULES, STAGES_PER_RANK
 from labkit.parallel.pipeline.simulate import simulate
 
 from . import _style as S
 from ._static import StaticFigure, live
 
 __all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table",
-           "drawn_flush"]
+           "drawn_flush", "pick_flush", "flush_name"]
 
 from .pipeline_gantt import (  # noqa: F401  (moved; importable from here as before)
     KINDS, PATTERNS, PALETTE, IDLE, KIND_SWATCH, KIND_NAMES, N_DATA, FRAMES, measured_spans,
-    gantt_data, drawn_flush, flush_bubbles, status_table, SHARED_AXIS_RATIO, _base_figure)
+    gantt_data, drawn_flush, flush_bubbles, status_table, SHARED_AXIS_RATIO, _base_figure,
+    pick_flush, flush_name)
 
 
 #: each control's name in the title and in a refusal
 LABELS = {"schedule": "schedule", "pp": "P", "microbatches": "M", "virtual_stages": "V"}
+#: the V slider's choices for the one schedule that takes a V (``interleaved``)
+V_OPTIONS = (2, 4)
 
 
 class PipelineView(StaticFigure, W.VBox):
@@ -75,6 +80,8 @@ class PipelineView(StaticFigure, W.VBox):
         self.shown: Optional[RunConfig] = None  # the configuration the figure shows
         self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
+        self.drawn: Optional[tuple] = None  # (step, flush, flushes) of the measured panel
+        self._v_chosen = virtual_stages  # the V slider's value while a schedule fixes V
         max_p = cluster.world_size if cluster is not None else 8
         # a slider wide enough to drag (the row wraps on a narrow cell instead of
         # squeezing four controls into one line)
@@ -89,7 +96,7 @@ class PipelineView(StaticFigure, W.VBox):
             "microbatches": W.SelectionSlider(options=[1, 2, 4, 8, 16], value=microbatches,
                                               description="M",
                                               tooltip="microbatches per step", **opts),
-            "virtual_stages": W.SelectionSlider(options=[2, 4], value=virtual_stages,
+            "virtual_stages": W.SelectionSlider(options=V_OPTIONS, value=virtual_stages,
                                                 description="V",
                                                 tooltip="virtual stages per rank "
                                                         "(interleaved schedules)", **opts)}
@@ -104,6 +111,7 @@ class PipelineView(StaticFigure, W.VBox):
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.time.observe(lambda ch: self._draw(), names="value")
+        self._show_v(schedule)
         self.children = [W.HBox(list(self.controls.values()),
                                 layout=W.Layout(flex_flow="row wrap")),
                          W.HBox([self.play, self.time]),
@@ -123,19 +131,33 @@ class PipelineView(StaticFigure, W.VBox):
 
     def set(self, **values) -> "PipelineView":
         """Set controls at once (``schedule``, ``pp``, ``microbatches``,
-        ``virtual_stages``), then re-run once."""
+        ``virtual_stages``), then re-run once. ``virtual_stages`` beside a schedule with
+        its own V is kept for when ``interleaved`` is chosen.
+
+        Raises:
+            ValueError: ``virtual_stages`` not one of :data:`V_OPTIONS`.
+        """
+        v = values.get("virtual_stages")
+        if v is not None and v not in V_OPTIONS:
+            raise ValueError(f"virtual_stages={v!r}: the V slider offers {V_OPTIONS}")
         self._quiet = True
         try:
+            if "schedule" in values:  # first: it decides whether the V slider takes a V
+                self.controls["schedule"].value = values["schedule"]
+                self._show_v(values["schedule"])
             for k, v in values.items():
-                self.controls[k].value = v
+                if k == "virtual_stages" and self.controls[k].disabled:
+                    self._v_chosen = v
+                elif k != "schedule":
+                    self.controls[k].value = v
         finally:
             self._quiet = False
         return self.rerun()
 
     def rerun(self) -> "PipelineView":
         """Run the controls' config on the cluster (or simulate it) and draw it."""
+        self._show_v(self.controls["schedule"].value)  # before reading V from the slider
         cfg = self.config()
-        self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
         try:
             cfg.validate(self.cluster.world_size if self.cluster is not None else None)
         except ValueError as exc:  # a refused value: the controls go back to what is shown
@@ -143,7 +165,7 @@ class PipelineView(StaticFigure, W.VBox):
             return self
         if self.cluster is None:
             sim = simulate(cfg.build_schedule())
-            self.spans, self.sim_spans, self.report = [], sim.spans, None
+            self.spans, self.sim_spans, self.report, self.drawn = [], sim.spans, None, None
             self.status.value = S.status_html(
                 f"simulated only (no cluster), unit costs: {sim.summary()}", "info")
             self._scale, self.shown = 1.0, cfg  # unit costs: the axis is in cost units
@@ -161,11 +183,17 @@ class PipelineView(StaticFigure, W.VBox):
         lat = max((m.get("p2p_latency_s") or 0.0) for m in result.metrics)
         trace = pipeline_trace(result.trace, cfg.mesh)
         self.report = rep = measure_bubble(trace, sched, comm=lat)
-        self.spans = measured_spans(trace)
+        # the panel's title names the flush these spans are (a step may run several)
+        self.drawn = pick_flush(trace)
+        self.spans = measured_spans(trace, *self.drawn[:2]) if self.drawn else []
         self.sim_spans = rep.predicted.spans
         self.status.value = status_table(
             rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
         self._scale, self.shown = 1e3, cfg  # seconds → ms
+        ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
+               "microbatches": cfg.flush_microbatches}
+        if all(ran[k] in self.controls[k].options for k in ran):  # a result given: its values
+            self._show_controls(cfg)
         self._draw()
         return self
 
@@ -176,9 +204,30 @@ class PipelineView(StaticFigure, W.VBox):
             self.controls["schedule"].value = cfg.schedule
             self.controls["pp"].value = cfg.parallel.pp
             self.controls["microbatches"].value = cfg.flush_microbatches
-            if cfg.schedule == "interleaved":
-                self.controls["virtual_stages"].value = cfg.stages_per_rank
-            self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
+            self._show_v(cfg.schedule, cfg.stages_per_rank)
+        finally:
+            self._quiet = quiet
+
+    def _show_v(self, schedule: str, v: Optional[int] = None) -> None:
+        """The V slider reads the stages per rank ``schedule`` runs (``v``: the one shown,
+        for ``interleaved``; default the V last chosen). A schedule with its own V
+        (1 for ``1f1b``, 2 for ``zb-v``) disables the slider, on that value alone: a
+        disabled slider left on an earlier choice (4 beside a title saying V=2) would claim
+        a V nothing ran with. The choice comes back with ``interleaved``."""
+        w, need = self.controls["virtual_stages"], STAGES_PER_RANK.get(schedule)
+        quiet, self._quiet = self._quiet, True
+        try:
+            if need is None:
+                if w.disabled:  # back to the chooser, on the V last chosen
+                    w.options, w.disabled = V_OPTIONS, False
+                    w.value = self._v_chosen
+                if v in V_OPTIONS:
+                    w.value = v
+            else:
+                if not w.disabled:
+                    self._v_chosen = w.value
+                w.options, w.disabled = (need,), True
+                w.value = need
         finally:
             self._quiet = quiet
 
@@ -203,6 +252,8 @@ class PipelineView(StaticFigure, W.VBox):
         refused = [k for k in chosen if chosen[k] != ran[k]
                    and (k != "virtual_stages" or chosen["schedule"] == "interleaved")]
         self._show_controls(cfg)
+        if "virtual_stages" in refused and self.controls["virtual_stages"].disabled:
+            self._v_chosen = V_OPTIONS[0]  # interleaved chosen again must not bring it back
         kept = self._values()
         back = [k for k in refused if kept[k] == ran[k]]  # the controls that moved back
         if not refused:  # the values shown, refused now (e.g. fewer ranks): nothing to undo
@@ -244,7 +295,8 @@ class PipelineView(StaticFigure, W.VBox):
                         marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
             sim = "simulated on this machine" if unit == "ms" else "simulated, unit costs"
-            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit)
+            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit,
+                                                       flush_name(self.drawn))
                     if self.spans else "measured: nothing ran (no cluster)")
             lay = self.fig.layout
             if own:
