@@ -20,7 +20,8 @@ Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time c
 across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
 A refused choice (M below 2P for ``dualpipe-v``, more stages than layers) runs nothing: the
 controls go back to the values the figure shows, and the red status line names the refused
-value beside the one kept, so the controls and the line never disagree.
+value beside the one kept, so the controls and the line never disagree
+(:mod:`labkit_widgets.pipeline_controls`).
 """
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ from labkit.config import RunConfig
 from labkit.parallel.pipeline.bubble import BubbleReport, measure_bubble
 from labkit.parallel.pipeline.presets import PP_TINY
 from labkit.parallel.pipeline.report import pipeline_trace
-from labkit.parallel.pipeline.schedules import SCHEDULES, STAGES_PER_RANK
+from labkit.parallel.pipeline.schedules import SCHEDULES
 from labkit.parallel.pipeline.simulate import simulate
 
 from . import _style as S
 from ._static import StaticFigure, live
+from .pipeline_controls import LABELS, V_OPTIONS, PipelineControls  # noqa: F401
 
 __all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table",
            "drawn_flush", "pick_flush", "flush_name"]
@@ -48,13 +50,7 @@ from .pipeline_gantt import (  # noqa: F401  (moved; importable from here as bef
     pick_flush, flush_name)
 
 
-#: each control's name in the title and in a refusal
-LABELS = {"schedule": "schedule", "pp": "P", "microbatches": "M", "virtual_stages": "V"}
-#: the V slider's choices for the one schedule that takes a V (``interleaved``)
-V_OPTIONS = (2, 4)
-
-
-class PipelineView(StaticFigure, W.VBox):
+class PipelineView(PipelineControls, StaticFigure, W.VBox):
     """Measured vs simulated pipeline schedule, with controls that re-run on a cluster.
 
     Args:
@@ -129,31 +125,6 @@ class PipelineView(StaticFigure, W.VBox):
         return self.base.replace(schedule=c["schedule"], pp=c["pp"], microbatches=m,
                                  virtual_stages=v, global_batch=batch)
 
-    def set(self, **values) -> "PipelineView":
-        """Set controls at once (``schedule``, ``pp``, ``microbatches``,
-        ``virtual_stages``), then re-run once. ``virtual_stages`` beside a schedule with
-        its own V is kept for when ``interleaved`` is chosen.
-
-        Raises:
-            ValueError: ``virtual_stages`` not one of :data:`V_OPTIONS`.
-        """
-        v = values.get("virtual_stages")
-        if v is not None and v not in V_OPTIONS:
-            raise ValueError(f"virtual_stages={v!r}: the V slider offers {V_OPTIONS}")
-        self._quiet = True
-        try:
-            if "schedule" in values:  # first: it decides whether the V slider takes a V
-                self.controls["schedule"].value = values["schedule"]
-                self._show_v(values["schedule"])
-            for k, v in values.items():
-                if k == "virtual_stages" and self.controls[k].disabled:
-                    self._v_chosen = v
-                elif k != "schedule":
-                    self.controls[k].value = v
-        finally:
-            self._quiet = False
-        return self.rerun()
-
     def rerun(self) -> "PipelineView":
         """Run the controls' config on the cluster (or simulate it) and draw it."""
         self._show_v(self.controls["schedule"].value)  # before reading V from the slider
@@ -196,79 +167,6 @@ class PipelineView(StaticFigure, W.VBox):
             self._show_controls(cfg)
         self._draw()
         return self
-
-    def _show_controls(self, cfg: RunConfig) -> None:
-        """Set the controls to ``cfg``'s values without re-running."""
-        quiet, self._quiet = self._quiet, True
-        try:
-            self.controls["schedule"].value = cfg.schedule
-            self.controls["pp"].value = cfg.parallel.pp
-            self.controls["microbatches"].value = cfg.flush_microbatches
-            self._show_v(cfg.schedule, cfg.stages_per_rank)
-        finally:
-            self._quiet = quiet
-
-    def _show_v(self, schedule: str, v: Optional[int] = None) -> None:
-        """The V slider reads the stages per rank ``schedule`` runs (``v``: the one shown,
-        for ``interleaved``; default the V last chosen). A schedule with its own V
-        (1 for ``1f1b``, 2 for ``zb-v``) disables the slider, on that value alone: a
-        disabled slider left on an earlier choice (4 beside a title saying V=2) would claim
-        a V nothing ran with. The choice comes back with ``interleaved``."""
-        w, need = self.controls["virtual_stages"], STAGES_PER_RANK.get(schedule)
-        quiet, self._quiet = self._quiet, True
-        try:
-            if need is None:
-                if w.disabled:  # back to the chooser, on the V last chosen
-                    w.options, w.disabled = V_OPTIONS, False
-                    w.value = self._v_chosen
-                if v in V_OPTIONS:
-                    w.value = v
-            else:
-                if not w.disabled:
-                    self._v_chosen = w.value
-                w.options, w.disabled = (need,), True
-                w.value = need
-        finally:
-            self._quiet = quiet
-
-    def _values(self) -> dict:
-        return {k: w.value for k, w in self.controls.items()}
-
-    def _refusal(self, exc: ValueError) -> str:
-        """The refusal's one line, with the controls put back on the shown run.
-
-        The controls snap back to the values the figure shows (a control never reads a
-        value nothing was run with), and the line names what was refused beside what was
-        kept: ``"M=2 refused: <reason>; the controls are back on the last valid M=4 (the
-        figure shows dualpipe-v: P=2, M=4, V=2)"``. With nothing shown yet (the starting
-        values refused) the controls keep the values the reason names."""
-        reason = str(exc).rstrip(".")
-        if self.shown is None:
-            return f"{reason}; nothing is drawn yet: choose other values"
-        cfg, chosen = self.shown, self._values()
-        ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
-               "microbatches": cfg.flush_microbatches, "virtual_stages": cfg.stages_per_rank}
-        # V counts only for the schedule that takes it (the slider is disabled otherwise)
-        refused = [k for k in chosen if chosen[k] != ran[k]
-                   and (k != "virtual_stages" or chosen["schedule"] == "interleaved")]
-        self._show_controls(cfg)
-        if "virtual_stages" in refused and self.controls["virtual_stages"].disabled:
-            self._v_chosen = V_OPTIONS[0]  # interleaved chosen again must not bring it back
-        kept = self._values()
-        back = [k for k in refused if kept[k] == ran[k]]  # the controls that moved back
-        if not refused:  # the values shown, refused now (e.g. fewer ranks): nothing to undo
-            return f"{reason} (the figure shows {self._name()}, run before)"
-        was = ", ".join(f"{LABELS[k]}={chosen[k]}" for k in refused)
-        now = ", ".join(f"{LABELS[k]}={kept[k]}" for k in back)
-        return (f"{was} refused: {reason}; " + (f"the controls are back on the last valid "
-                                                f"{now} " if back else "")
-                + f"(the figure shows {self._name()})")
-
-    def _name(self) -> str:
-        """The shown configuration as the title names it."""
-        cfg = self.shown or self.config()
-        v = f", V={cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
-        return f"{cfg.schedule}: P={cfg.parallel.pp}, M={cfg.flush_microbatches}{v}"
 
     def _draw(self) -> None:
         cfg = self.shown or self.config()
