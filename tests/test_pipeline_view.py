@@ -87,7 +87,7 @@ def test_the_drawn_flush_title_gives_that_flush_length_and_idle():
     sim = simulate(build("gpipe", 2, 4), {"F": 1.0, "B": 2.0, "W": 0.0}, comm=0.1)
     text = drawn_flush(sim.spans, 2, scale=1.0, unit="units")
     want = ", ".join(f"{i:.1f}" for i in sim.idle)
-    assert text == f"the last flush: {sim.makespan:.1f} units, idle per rank {want} units"
+    assert text == f"one flush: {sim.makespan:.1f} units, idle per rank {want} units"
     # ranks idle for different times: rank 0 loses its first span (makespan − its busy)
     first = min((sp for sp in sim.spans if sp.rank == 0), key=lambda sp: sp.start)
     spans = [sp for sp in sim.spans if sp is not first]
@@ -166,7 +166,7 @@ def test_a_run_far_longer_than_its_simulation_gets_its_own_time_axis():
             assert tuple(lay.xaxis.range) == pytest.approx((0, sim_end * stretch * v._scale))
             assert tuple(lay.xaxis2.range) == pytest.approx((0, sim_end * v._scale))
             assert "its own time axis" in lay.annotations[0].text
-            assert f"the last flush: {sim_end * stretch * v._scale:.1f} " \
+            assert f"one flush: {sim_end * stretch * v._scale:.1f} " \
                 in lay.annotations[0].text
             assert "its own time axis" in lay.annotations[1].text
         else:
@@ -241,3 +241,168 @@ def test_the_status_says_the_panel_title_is_one_flush_and_the_table_a_mean():
             "so the two idles differ by the flushes&#x27; spread")
     assert line in status_table(report((1, 2, 3)))
     assert "drawn flush" not in status_table(report((1,)))
+
+
+def _drawn_bars(v) -> list:
+    """The measured panel's bars: ``[(rank label, action, start, length)]`` in ms, sorted."""
+    from labkit_widgets.pipeline_view import KINDS
+
+    return sorted((y, t, b, x) for d in v.fig.data[1:1 + len(KINDS)]
+                  for y, t, b, x in zip(d.y, d.text, d.base, d.x))
+
+
+def _flush_bars(events, step: int, flush: int) -> list:
+    """The bars one flush's raw trace events should draw, from the events alone: ms from
+    that flush's first start."""
+    ev = [e for e in events if e.cat == "compute" and e.step == step
+          and e.args.get("flush") == flush]
+    t0 = min(e.start for e in ev)
+    return sorted((f"rank {e.rank}", f"{e.args['stage']}{e.name}{e.args['microbatch']}",
+                   1e3 * (e.start - t0), 1e3 * e.duration) for e in ev)
+
+
+def _named_flush(title: str) -> tuple:
+    """``(step, flush index from 0, flushes, length ms)`` the measured panel's title names."""
+    import re
+
+    m = re.search(r"the last flush measured \(step (\d+), flush (\d+) of (\d+)\): "
+                  r"([0-9.]+) ms", title)
+    assert m, title
+    return int(m[1]), int(m[2]) - 1, int(m[3]), float(m[4])
+
+
+def test_with_several_flushes_per_step_the_title_names_the_flush_drawn():
+    """Gradient accumulation across flushes: micro_batch=1, 4 microbatches a step in flushes
+    of M=2, so every step runs 2 flushes, each its own length here. The measured panel
+    draws the last flush measured (step 2: step 3 ran under the memory tracker) and its
+    title names it: the bars are that flush's events, to the microsecond, its length the
+    title's; they are not flush 1 of the step, whose bars differ."""
+    from types import SimpleNamespace
+
+    from labkit.config import RunConfig
+    from labkit.parallel.pipeline.presets import PP_TINY
+    from labkit.trace import Event, Trace
+    from labkit_widgets.pipeline_view import PipelineView
+
+    cfg = RunConfig(model=PP_TINY, parallel=dict(pp=2), schedule="1f1b", microbatches=2,
+                    micro_batch=1, global_batch=4, steps=4)
+    cfg.validate(2)
+    assert cfg.flushes == 2
+    sim = simulate(cfg.build_schedule(), {"F": 1e-3, "B": 2e-3, "W": 0.0}, comm=1e-4)
+    ev, t = [], 0.0
+    for st in range(4):
+        for fl in range(2):
+            stretch = 1.0 + 0.25 * (2 * st + fl)  # every flush its own length
+            for sp in sim.spans:
+                ev.append(Event(sp.rank, sp.action.kind, "compute", t + sp.start * stretch,
+                                t + sp.end * stretch, st, args=dict(
+                                    stage=sp.action.stage, microbatch=sp.action.microbatch,
+                                    flush=fl, **({"instrumented": "memory"} if st == 3
+                                                 else {}))))
+            t += sim.makespan * stretch + 1e-3
+    metrics = [{"p2p_latency_s": 1e-4, "peak_activation_bytes": 1, "peak_inflight": 1}] * 2
+    v = PipelineView(None, result=SimpleNamespace(config=cfg, trace=Trace(ev),
+                                                  metrics=metrics))
+    # the controls read the run shown (V: 1f1b's own, on the disabled slider)
+    assert {k: (w.value, w.disabled) for k, w in v.controls.items()} == {
+        "schedule": ("1f1b", False), "pp": (2, False), "microbatches": (2, False),
+        "virtual_stages": (1, True)}
+    title = v.fig.layout.annotations[0].text
+    step, flush, flushes, length = _named_flush(title)
+    assert (step, flush, flushes) == (2, 1, 2)
+    want = _flush_bars(ev, step, flush)
+    got = _drawn_bars(v)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    times = lambda bars: [t for *_, b, x in bars for t in (b, x)]  # noqa: E731
+    assert times(got) == pytest.approx(times(want), abs=1e-9)
+    assert length == pytest.approx(max(b + x for *_, b, x in want), abs=0.05)
+    # the case is adversarial: the step's first flush draws other bars
+    assert times(_flush_bars(ev, step, 0)) != pytest.approx(times(want), abs=1e-6)
+
+
+@pytest.mark.distributed
+def test_a_real_run_with_two_flushes_a_step_draws_the_flush_its_title_names(cluster2):
+    """The same on a run: micro_batch=1 and a batch of 4 at M=2 run 2 flushes a step; the
+    bars drawn are the trace's events of the flush the title names, the last measured
+    (step 1: step 0 warms up, step 2 runs under the memory tracker)."""
+    from labkit.config import RunConfig
+    from labkit.parallel.pipeline.presets import PP_TINY
+    from labkit_widgets.pipeline_view import PipelineView
+
+    base = RunConfig(model=PP_TINY, steps=3, micro_batch=1, global_batch=4,
+                     count_flops=False)
+    v = PipelineView(cluster2, schedule="1f1b", pp=2, microbatches=2, config=base)
+    assert v.result.config.flushes == 2 and v.report.flushes == 2  # steps 1's two flushes
+    step, flush, flushes, length = _named_flush(v.fig.layout.annotations[0].text)
+    assert (step, flush, flushes) == (1, 1, 2)
+    want = _flush_bars(v.result.trace.events, step, flush)
+    got = _drawn_bars(v)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    times = lambda bars: [t for *_, b, x in bars for t in (b, x)]  # noqa: E731
+    assert times(got) == pytest.approx(times(want), abs=1e-9)
+    assert length == pytest.approx(max(b + x for *_, b, x in want), abs=0.05)
+
+
+def _state_sent(widget) -> dict:
+    """Record the state the kernel sends ``widget``'s front end from now on, merged:
+    what the browser shows after the messages."""
+    sent: dict = {}
+    widget.comm.send = lambda data=None, buffers=None, **kw: sent.update(
+        data.get("state", {}))
+    return sent
+
+
+def test_the_disabled_v_slider_reads_the_v_the_schedule_runs():
+    """A schedule with its own V disables the V slider: it then reads that V (1 for 1f1b,
+    gpipe, zb-h1; 2 for zb-v, dualpipe-v), the V the title names and the run used, in the
+    browser too; interleaved brings back the V chosen (4), which the slider then sets."""
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(None, schedule="interleaved", pp=2, microbatches=8, virtual_stages=4)
+    slider = v.controls["virtual_stages"]
+    assert (slider.value, slider.disabled) == (4, False)
+    assert v.fig.layout.title.text == "interleaved: P=2, M=8, V=4"
+    browser = _state_sent(slider)
+    for schedule, used in (("1f1b", 1), ("zb-v", 2), ("gpipe", 1), ("dualpipe-v", 2),
+                           ("zb-h1", 1)):
+        _from_the_browser(v.controls["schedule"], schedule)  # the dropdown, in the page
+        assert v.shown.schedule == schedule and v.shown.stages_per_rank == used
+        assert (slider.value, slider.disabled) == (used, True), schedule
+        assert browser["disabled"] and browser["_options_labels"][browser["index"]] \
+            == str(used), (schedule, browser)
+        assert v.fig.layout.title.text == f"{schedule}: P=2, M=8" + (
+            f", V={used}" if used > 1 else "")
+    _from_the_browser(v.controls["schedule"], "interleaved")
+    assert (slider.value, slider.disabled) == (4, False) and v.shown.stages_per_rank == 4
+    assert not browser["disabled"] and browser["_options_labels"][browser["index"]] == "4"
+    assert v.fig.layout.title.text == "interleaved: P=2, M=8, V=4"
+    _from_the_browser(slider, 2)  # chosen in the page: kept across a fixed-V schedule
+    v.set(schedule="zb-v")
+    assert (slider.value, slider.disabled) == (2, True)
+    v.set(schedule="interleaved")
+    assert slider.value == 2 and v.fig.layout.title.text == "interleaved: P=2, M=8, V=2"
+
+
+def test_a_v_given_beside_a_fixed_v_schedule_waits_for_interleaved():
+    """Built (or set) with a V its schedule does not take, the slider reads the schedule's
+    own V; the V given is the one interleaved then runs. A V refused there (16 stages of an
+    8-layer model) is not brought back by choosing interleaved again."""
+    from labkit_widgets.pipeline_view import PipelineView
+
+    v = PipelineView(None, schedule="zb-v", pp=2, microbatches=4, virtual_stages=4)
+    slider = v.controls["virtual_stages"]
+    assert (slider.value, slider.disabled) == (2, True)
+    assert v.fig.layout.title.text == "zb-v: P=2, M=4, V=2"
+    v.set(schedule="interleaved")
+    assert (slider.value, slider.disabled) == (4, False)
+    assert v.fig.layout.title.text == "interleaved: P=2, M=4, V=4"
+    v = PipelineView(None, schedule="1f1b", pp=4, microbatches=8, virtual_stages=4)
+    v.set(schedule="interleaved")  # P=4 x V=4 = 16 stages: refused
+    assert "schedule=interleaved, V=4 refused" in v.status.value
+    assert (slider := v.controls["virtual_stages"]).value == 1 and slider.disabled
+    assert v.controls["schedule"].value == "1f1b" == v.shown.schedule
+    v.set(schedule="interleaved")
+    assert (slider.value, slider.disabled) == (2, False)
+    assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
+    with pytest.raises(ValueError, match=r"virtual_stages=3: the V slider offers \(2, 4\)"):
+        v.set(virtual_stages=3)

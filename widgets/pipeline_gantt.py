@@ -29,19 +29,52 @@ N_DATA = 2 * (1 + len(KINDS))  # bar traces: (idle + kinds) per panel; legend ke
 FRAMES = 40
 
 
-def measured_spans(trace, step: Optional[int] = None, flush: int = 0) -> list:
-    """The compute spans of one flush (default: the last step not run under the memory
-    tracker) as simulator :class:`~labkit.parallel.pipeline.simulate.Span`\\ s, seconds from
-    the flush's start. ``trace``: a Trace or a list of events."""
+def pick_flush(trace, step: Optional[int] = None,
+               flush: Optional[int] = None) -> Optional[tuple]:
+    """Which flush :func:`measured_spans` draws: ``(step, flush, flushes)``, ``flushes`` being
+    how many flushes that step ran (several with gradient accumulation across flushes,
+    :attr:`labkit.config.RunConfig.flushes`); ``None`` when the trace holds no pipeline
+    spans. Default: the last flush of the last step not run under the memory tracker (that
+    step's spans stretch several-fold), i.e. the last flush measured."""
     events = trace.events if hasattr(trace, "events") else trace
-    ev = [e for e in events if e.cat == "compute" and e.name in KINDS
-          and "stage" in e.args and e.args.get("flush", 0) == flush]
+    ev = [e for e in events if e.cat == "compute" and e.name in KINDS and "stage" in e.args]
     if step is None and any("instrumented" not in e.args for e in ev):
         ev = [e for e in ev if "instrumented" not in e.args]
     if not ev:
-        return []
+        return None
     step = max(e.step for e in ev) if step is None else step
-    ev = [e for e in ev if e.step == step]
+    ran = sorted({e.args.get("flush", 0) for e in ev if e.step == step})
+    if not ran:
+        return None
+    return step, (ran[-1] if flush is None else flush), len(ran)
+
+
+def flush_name(which: Optional[tuple]) -> str:
+    """The drawn flush as the measured panel's title names it, from :func:`pick_flush`'s
+    ``(step, flush, flushes)``: ``"the last flush measured (step 3, flush 2 of 2)"``
+    (flushes counted from 1, steps as the trace numbers them); ``"one flush"`` when not
+    known."""
+    if which is None:
+        return "one flush"
+    step, flush, n = which
+    where = f"step {step}, flush {flush + 1} of {n}" if n > 1 else f"step {step}"
+    return (f"the last flush measured ({where})" if flush == n - 1 else
+            f"flush {flush + 1} of {n} of step {step}")
+
+
+def measured_spans(trace, step: Optional[int] = None, flush: Optional[int] = None) -> list:
+    """The compute spans of one flush (default: the last flush measured,
+    :func:`pick_flush`) as simulator :class:`~labkit.parallel.pipeline.simulate.Span`\\ s,
+    seconds from the flush's start. ``trace``: a Trace or a list of events."""
+    which = pick_flush(trace, step, flush)
+    if which is None:
+        return []
+    step, flush, _ = which
+    events = trace.events if hasattr(trace, "events") else trace
+    ev = [e for e in events if e.cat == "compute" and e.name in KINDS and "stage" in e.args
+          and e.step == step and e.args.get("flush", 0) == flush]
+    if not ev:
+        return []
     t0 = min(e.start for e in ev)
     return [Span(e.rank, Action(e.args["stage"], e.name, e.args["microbatch"]),
                  e.start - t0, e.end - t0) for e in ev]
@@ -84,15 +117,17 @@ def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float
     return out
 
 
-def drawn_flush(spans: list, pp: int, scale: float = 1e3, unit: str = "ms") -> str:
-    """What the measured panel shows, in the panel's title: ``"the last flush: 461.2 ms,
-    idle per rank 120.3, 95.1 ms"`` — this one flush's length and each rank's idle (its
-    gaps up to the flush's end, as :func:`gantt_data` draws them). The status table's
+def drawn_flush(spans: list, pp: int, scale: float = 1e3, unit: str = "ms",
+                name: str = "one flush") -> str:
+    """What the measured panel shows, in the panel's title: ``"the last flush measured
+    (step 3): 461.2 ms, idle per rank 120.3, 95.1 ms"`` — this one flush's length and each
+    rank's idle (its gaps up to the flush's end, as :func:`gantt_data` draws them);
+    ``name`` says which flush ``spans`` are (:func:`flush_name`). The status table's
     idle and flush time are means over all measured flushes, so they differ from it."""
     cols = gantt_data(spans, pp, scale=scale)["idle"]
     idle = [sum(x for x, y in zip(cols["x"], cols["y"]) if y == f"rank {r}") for r in range(pp)]
     end = max((sp.end for sp in spans), default=0.0) * scale
-    return (f"the last flush: {end:.1f} {unit}, idle per rank "
+    return (f"{name}: {end:.1f} {unit}, idle per rank "
             + ", ".join(f"{i:.1f}" for i in idle) + f" {unit}")
 
 

@@ -1,7 +1,9 @@
 """``PipelineView``: a pipeline run's F/B/W spans per rank, beside the simulated schedule.
 
 Top panel: what the ranks did — every ``F``/``B``/``W``/``BW`` span of one flush from the
-run's trace, coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
+run's trace (the last flush measured: of the last step not run under the memory tracker,
+its last flush when the step runs several; the panel's title names the step and flush),
+coloured by microbatch (pattern by kind: ``F`` solid, ``B`` hatched, ``W``
 crossed, ``BW`` dotted), with the idle time between them drawn as grey bubbles. Bottom
 panel: the same schedule simulated on this machine — the run's measured per-stage costs,
 message time and executor time per action
@@ -18,7 +20,8 @@ Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time c
 across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
 A refused choice (M below 2P for ``dualpipe-v``, more stages than layers) runs nothing: the
 controls go back to the values the figure shows, and the red status line names the refused
-value beside the one kept, so the controls and the line never disagree.
+value beside the one kept, so the controls and the line never disagree
+(:mod:`labkit_widgets.pipeline_controls`).
 """
 from __future__ import annotations
 
@@ -36,20 +39,18 @@ from labkit.parallel.pipeline.simulate import simulate
 
 from . import _style as S
 from ._static import StaticFigure, live
+from .pipeline_controls import LABELS, V_OPTIONS, PipelineControls  # noqa: F401
 
 __all__ = ["PipelineView", "gantt_data", "measured_spans", "flush_bubbles", "status_table",
-           "drawn_flush"]
+           "drawn_flush", "pick_flush", "flush_name"]
 
 from .pipeline_gantt import (  # noqa: F401  (moved; importable from here as before)
     KINDS, PATTERNS, PALETTE, IDLE, KIND_SWATCH, KIND_NAMES, N_DATA, FRAMES, measured_spans,
-    gantt_data, drawn_flush, flush_bubbles, status_table, SHARED_AXIS_RATIO, _base_figure)
+    gantt_data, drawn_flush, flush_bubbles, status_table, SHARED_AXIS_RATIO, _base_figure,
+    pick_flush, flush_name)
 
 
-#: each control's name in the title and in a refusal
-LABELS = {"schedule": "schedule", "pp": "P", "microbatches": "M", "virtual_stages": "V"}
-
-
-class PipelineView(StaticFigure, W.VBox):
+class PipelineView(PipelineControls, StaticFigure, W.VBox):
     """Measured vs simulated pipeline schedule, with controls that re-run on a cluster.
 
     Args:
@@ -75,6 +76,8 @@ class PipelineView(StaticFigure, W.VBox):
         self.shown: Optional[RunConfig] = None  # the configuration the figure shows
         self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
+        self.drawn: Optional[tuple] = None  # (step, flush, flushes) of the measured panel
+        self._v_chosen = virtual_stages  # the V slider's value while a schedule fixes V
         max_p = cluster.world_size if cluster is not None else 8
         # a slider wide enough to drag (the row wraps on a narrow cell instead of
         # squeezing four controls into one line)
@@ -89,7 +92,7 @@ class PipelineView(StaticFigure, W.VBox):
             "microbatches": W.SelectionSlider(options=[1, 2, 4, 8, 16], value=microbatches,
                                               description="M",
                                               tooltip="microbatches per step", **opts),
-            "virtual_stages": W.SelectionSlider(options=[2, 4], value=virtual_stages,
+            "virtual_stages": W.SelectionSlider(options=V_OPTIONS, value=virtual_stages,
                                                 description="V",
                                                 tooltip="virtual stages per rank "
                                                         "(interleaved schedules)", **opts)}
@@ -104,6 +107,7 @@ class PipelineView(StaticFigure, W.VBox):
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
         self.time.observe(lambda ch: self._draw(), names="value")
+        self._show_v(schedule)
         self.children = [W.HBox(list(self.controls.values()),
                                 layout=W.Layout(flex_flow="row wrap")),
                          W.HBox([self.play, self.time]),
@@ -121,21 +125,10 @@ class PipelineView(StaticFigure, W.VBox):
         return self.base.replace(schedule=c["schedule"], pp=c["pp"], microbatches=m,
                                  virtual_stages=v, global_batch=batch)
 
-    def set(self, **values) -> "PipelineView":
-        """Set controls at once (``schedule``, ``pp``, ``microbatches``,
-        ``virtual_stages``), then re-run once."""
-        self._quiet = True
-        try:
-            for k, v in values.items():
-                self.controls[k].value = v
-        finally:
-            self._quiet = False
-        return self.rerun()
-
     def rerun(self) -> "PipelineView":
         """Run the controls' config on the cluster (or simulate it) and draw it."""
+        self._show_v(self.controls["schedule"].value)  # before reading V from the slider
         cfg = self.config()
-        self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
         try:
             cfg.validate(self.cluster.world_size if self.cluster is not None else None)
         except ValueError as exc:  # a refused value: the controls go back to what is shown
@@ -143,7 +136,7 @@ class PipelineView(StaticFigure, W.VBox):
             return self
         if self.cluster is None:
             sim = simulate(cfg.build_schedule())
-            self.spans, self.sim_spans, self.report = [], sim.spans, None
+            self.spans, self.sim_spans, self.report, self.drawn = [], sim.spans, None, None
             self.status.value = S.status_html(
                 f"simulated only (no cluster), unit costs: {sim.summary()}", "info")
             self._scale, self.shown = 1.0, cfg  # unit costs: the axis is in cost units
@@ -161,63 +154,19 @@ class PipelineView(StaticFigure, W.VBox):
         lat = max((m.get("p2p_latency_s") or 0.0) for m in result.metrics)
         trace = pipeline_trace(result.trace, cfg.mesh)
         self.report = rep = measure_bubble(trace, sched, comm=lat)
-        self.spans = measured_spans(trace)
+        # the panel's title names the flush these spans are (a step may run several)
+        self.drawn = pick_flush(trace)
+        self.spans = measured_spans(trace, *self.drawn[:2]) if self.drawn else []
         self.sim_spans = rep.predicted.spans
         self.status.value = status_table(
             rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
         self._scale, self.shown = 1e3, cfg  # seconds → ms
+        ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
+               "microbatches": cfg.flush_microbatches}
+        if all(ran[k] in self.controls[k].options for k in ran):  # a result given: its values
+            self._show_controls(cfg)
         self._draw()
         return self
-
-    def _show_controls(self, cfg: RunConfig) -> None:
-        """Set the controls to ``cfg``'s values without re-running."""
-        quiet, self._quiet = self._quiet, True
-        try:
-            self.controls["schedule"].value = cfg.schedule
-            self.controls["pp"].value = cfg.parallel.pp
-            self.controls["microbatches"].value = cfg.flush_microbatches
-            if cfg.schedule == "interleaved":
-                self.controls["virtual_stages"].value = cfg.stages_per_rank
-            self.controls["virtual_stages"].disabled = cfg.schedule != "interleaved"
-        finally:
-            self._quiet = quiet
-
-    def _values(self) -> dict:
-        return {k: w.value for k, w in self.controls.items()}
-
-    def _refusal(self, exc: ValueError) -> str:
-        """The refusal's one line, with the controls put back on the shown run.
-
-        The controls snap back to the values the figure shows (a control never reads a
-        value nothing was run with), and the line names what was refused beside what was
-        kept: ``"M=2 refused: <reason>; the controls are back on the last valid M=4 (the
-        figure shows dualpipe-v: P=2, M=4, V=2)"``. With nothing shown yet (the starting
-        values refused) the controls keep the values the reason names."""
-        reason = str(exc).rstrip(".")
-        if self.shown is None:
-            return f"{reason}; nothing is drawn yet: choose other values"
-        cfg, chosen = self.shown, self._values()
-        ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
-               "microbatches": cfg.flush_microbatches, "virtual_stages": cfg.stages_per_rank}
-        # V counts only for the schedule that takes it (the slider is disabled otherwise)
-        refused = [k for k in chosen if chosen[k] != ran[k]
-                   and (k != "virtual_stages" or chosen["schedule"] == "interleaved")]
-        self._show_controls(cfg)
-        kept = self._values()
-        back = [k for k in refused if kept[k] == ran[k]]  # the controls that moved back
-        if not refused:  # the values shown, refused now (e.g. fewer ranks): nothing to undo
-            return f"{reason} (the figure shows {self._name()}, run before)"
-        was = ", ".join(f"{LABELS[k]}={chosen[k]}" for k in refused)
-        now = ", ".join(f"{LABELS[k]}={kept[k]}" for k in back)
-        return (f"{was} refused: {reason}; " + (f"the controls are back on the last valid "
-                                                f"{now} " if back else "")
-                + f"(the figure shows {self._name()})")
-
-    def _name(self) -> str:
-        """The shown configuration as the title names it."""
-        cfg = self.shown or self.config()
-        v = f", V={cfg.stages_per_rank}" if cfg.stages_per_rank > 1 else ""
-        return f"{cfg.schedule}: P={cfg.parallel.pp}, M={cfg.flush_microbatches}{v}"
 
     def _draw(self) -> None:
         cfg = self.shown or self.config()
@@ -244,7 +193,8 @@ class PipelineView(StaticFigure, W.VBox):
                         marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
             sim = "simulated on this machine" if unit == "ms" else "simulated, unit costs"
-            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit)
+            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit,
+                                                       flush_name(self.drawn))
                     if self.spans else "measured: nothing ran (no cluster)")
             lay = self.fig.layout
             if own:

@@ -2,7 +2,7 @@
 compute and communication family (:class:`labkit_widgets.timeline.TimelineView` draws them).
 
 Spans in milliseconds from the run's first event; a call left in flight is drawn as an
-in-flight line plus its own bar (:func:`_drawn_spans`).
+in-flight line plus its own bar (:func:`~labkit_widgets.timeline_spans._drawn_spans`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import plotly.graph_objects as go
 from labkit.trace import COMPUTE, MARK, Trace
 
 from . import _style as S
+from .timeline_spans import (  # noqa: F401  (moved; importable from here as before)
+    BLOCKED_CATS, _where, _group, _ms, _drawn_spans, _inflight_text)
 
 #: the step selector's value for "all steps" (``None`` would leave the dropdown blank)
 ALL_STEPS = "all"
@@ -27,8 +29,6 @@ P2P_OFFSET, P2P_PITCH = 0.74, 1.4
 _COMPUTE_WIDTH, _COMM_WIDTH, _BLOCKED_WIDTH, _P2P_WIDTH = 0.4, 0.3, 0.26, 0.24
 #: top + bottom margin of the figure (px): the plot area, and the legend, get the rest
 _MARGINS = 104
-#: trace-event categories drawn as "blocked" (the compute thread waiting on a collective)
-BLOCKED_CATS = ("wait",)
 
 _COMPUTE_HOVER = ("<b>%{customdata[0]}</b> · rank %{customdata[7]}<br>step %{customdata[1]}"
                   "<br>%{customdata[5]:.3f} ms (from %{customdata[6]:.3f} ms)<extra>%{fullData.name}"
@@ -80,88 +80,6 @@ def _empty_traces() -> list:
             textfont=dict(size=10, color="white"),
             x=[], y=[], base=[], customdata=[], text=[], hovertext=[], showlegend=False))
     return traces
-
-
-def _where(e) -> tuple:
-    """A comm bar's label and hover line from the place its call tagged: ``("L3",
-    "<br>layer 3 · mlp_out · forward")``, or the site alone outside the blocks (``"emb"``
-    for ``emb_out``); ``("", "")`` for an untagged call."""
-    a = e.args or {}
-    layer, site = a.get("layer"), a.get("site")
-    if layer is None and site is None:
-        return "", ""
-    label = f"L{layer}" if layer is not None else str(site).split("_")[0]
-    parts = ([f"layer {layer}"] if layer is not None else []) + \
-        [str(a[k]) for k in ("site", "phase") if a.get(k)]
-    return label, "<br>" + " · ".join(parts)
-
-
-def _group(e) -> str:
-    """A comm bar's group line: ``"group [0, 1]"`` (a collective's ranks), ``"to rank 2"`` /
-    ``"from rank 2"`` (a send's or a receive's peer), ``"group –"`` when not recorded."""
-    peers = list(e.peers or ())
-    if S.comm_family(e.op) == "p2p" and len(peers) == 1:
-        return f"{'from' if 'recv' in (e.op or '') else 'to'} rank {peers[0]}"
-    return f"group {peers}" if peers else "group –"
-
-
-def _ms(trace, t) -> float:
-    return (t - trace.t0) * 1e3
-
-
-def _drawn_spans(trace, events) -> dict:
-    """``{id(event): (start_s, end_s, note)}``: what a communication bar draws, for the
-    calls left in flight (``args["async"]``, :meth:`labkit.comm_handle.Handle.note_done`).
-
-    Such a call's recorded span runs from its issue to the return of its ``wait()``;
-    twenty bucketed all-reduces issued during backward and collected after it overlap
-    into one solid bar, and a pipeline's send, collected at the end of the flush, spans
-    the step. Drawn instead: a collective whose backend reported completion
-    (``args["done"]``) as the time from the lane's previous completion (or its issue, if
-    later) to its own: the lane's time split among the calls that finished in it, so each
-    call is its own bar, ending where it finished (gloo runs a group's collectives on a
-    small worker pool, so the split is an attribution, not each call's start: torch 2.13
-    gives no start for a gloo work, ``Work._get_duration()`` is unsupported, and only a
-    running ``torch.profiler`` sees gloo's ``gloo:<op>`` span start on the worker thread).
-    The bar never starts before the issue nor ends after ``done`` or ``wait()``'s return.
-    A call with no completion time (gloo's send/recv) draws only the part its caller waited for
-    it, ``waited``..``end``, hatched: a wait, which includes whatever of the transfer was
-    left. The whole span stays as a thin faint "in flight" line.
-    """
-    out: dict = {}
-    lanes: dict = {}
-    for e in events:
-        a = e.args or {}
-        if e.cat in BLOCKED_CATS or e.cat == COMPUTE or not a.get("async"):
-            continue
-        if a.get("done") is not None:
-            lanes.setdefault((e.rank, S.comm_family(e.op) == "p2p"), []).append(e)
-        else:
-            waited = a.get("waited")
-            lo = e.start if waited is None else min(max(e.start, waited), e.end)
-            out[id(e)] = (lo, e.end, "waited")
-    for calls in lanes.values():
-        prev = float("-inf")
-        for e in sorted(calls, key=lambda e: min(e.args["done"], e.end)):
-            done = min(max(e.args["done"], e.start), e.end)
-            out[id(e)] = (max(e.start, min(prev, done)), done, "done")
-            prev = max(prev, done)
-    return out
-
-
-def _inflight_text(trace, e, drawn) -> str:
-    """The hover line of an asynchronous call: when it was issued, finished, waited for."""
-    a = e.args or {}
-    parts = [f"issued {_ms(trace, e.start):.3f} ms"]
-    if a.get("done") is not None:
-        parts.append(f"finished {_ms(trace, a['done']):.3f} ms (backend)")
-    if a.get("waited") is not None:
-        parts.append(f"waited for from {_ms(trace, a['waited']):.3f} ms")
-    parts.append(f"wait() returned {_ms(trace, e.end):.3f} ms")
-    how = ("bar: since the lane's previous completion (or the issue, if later), to this "
-           "one's: gloo reports no start" if drawn == "done" else
-           "hatched bar: the caller waited (the backend reports no completion time)")
-    return "<br>" + " · ".join(parts[:2]) + "<br>" + " · ".join(parts[2:]) + "<br>" + how
 
 
 def _family(e) -> tuple:
