@@ -401,6 +401,12 @@ MUTANTS = [
            "tp bytes of a checkpoint segment of several blocks predicted as one segment per "
            "block (the earlier blocks' MLP output collectives are repeated too)",
            ("tests/test_train.py -k every2",)),
+    Mutant("state_fsdp2_root_without_fsdp", "labkit/train/metrics.py",
+           '                if not n.startswith("layers.") and getattr(p, "placements", None) is not None]',
+           '                if not n.startswith("layers.")]',
+           "impl='torch' ZeRO 3 on one data rank (no fully_shard) predicts the root's "
+           "parameters twice",
+           ("tests/test_zero.py -k one_data_rank", "tests/test_matrix.py -k dp1 and z3 and torch")),
     Mutant("vit_sp_final_norm_plain", "labkit/parallel/vision.py",
            '        model.norm = ParallelRMSNorm(model.norm, tp_group, **kw, tags={"site": "norm_grad"})',
            "        pass",

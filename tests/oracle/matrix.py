@@ -232,20 +232,13 @@ def known_defects(cfg: RunConfig) -> list:
     """The diagnosed labkit defects a composition runs into, as ``(raises, reason)``:
     ``raises`` when the ranks raise, else the run disagrees with the oracle. Empty: it must
     agree."""
-    # fixed, each with its own regression test: a checkpointed ViT's hardware FLOPs left out
-    # the recomputation (labkit.train.flops._count); under FSDP2 the ViT's class token and
-    # position table, all-gathered by the root's own hook, were measured as activations
-    # (labkit.measure.memory: track_own_params); with one image per microbatch the class
-    # token's gradient was a view holding the whole sequence's gradient
+    # none open. Fixed, each with its own regression test: a checkpointed ViT's hardware
+    # FLOPs left out the recomputation (labkit.train.flops._count); under FSDP2 the ViT's
+    # class token and position table, all-gathered by the root's own hook, were measured as
+    # activations (labkit.measure.memory: track_own_params); with one image per microbatch
+    # the class token's gradient was a view holding the whole sequence's gradient
     # (labkit.models.vit); tensor-parallel bytes of a checkpoint segment of several blocks
-    # (labkit.train.comm_predict._tp_predicted; tests/test_train.py), and before them of
-    # bf16 autocast's residual side
-    out = []
-    if cfg.impl == "torch" and cfg.zero_stage == 3 and cfg.parallel.dp // cfg.hsdp_replicas == 1:
-        out.append((False, "FSDP2 over a shard group of one rank: after forward the root's "
-                    "unsharded copies (embedding, final norm, head) exist beside their shards "
-                    "(two storages each, as a fully_shard on a 1-rank mesh shows), as "
-                    "memory_predicted counts them, but the measured parameters stop at the "
-                    "shards: the tracker loses those copies (measured 296,576 B, predicted "
-                    "362,240 B for the matrix's dp1 top-2 model)"))
-    return out
+    # (labkit.train.comm_predict._tp_predicted), and before them of bf16 autocast's
+    # residual side; impl="torch" ZeRO 3 on one data rank (no fully_shard runs) predicted
+    # the root's parameters twice (labkit.train.metrics.predicted_memory)
+    return []
