@@ -1,9 +1,11 @@
 """Every composition of the training job against an oracle that shares no code with labkit's
 model or parallelism (tests/oracle): an all-pairs covering set of the dimensions (dp, ZeRO
-0-3, HSDP, tp ± sp, cp × method × zigzag, pp × schedule × virtual stages, ep, tied/untied,
-GQA, dense/top-1/top-2/capacity, fp32/bf16, checkpoint policies, impl, accumulation), each
-run on the cluster and checked on every rank: losses, first-step gradients before the
-optimizer, final parameters, routing counts and aux loss, FLOPs per data replica, every
+0-3, HSDP, tp ± sp, cp × method × zigzag, pp × schedule (DualPipeV included) × virtual
+stages, ep, tied/untied, GQA, dense/top-1/top-2/capacity, fp32/bf16, checkpoint policies,
+impl, accumulation, and the model: the GPT or the ViT with class-token or mean pooling,
+held against tests/oracle/vit.py), each run on the cluster and checked on every rank:
+losses, first-step gradients before the optimizer, final parameters, routing counts and aux
+loss, FLOPs (model and recomputed) per data replica, every
 axis's predicted bytes per collective against the bytes its traced calls moved, and each
 rank's measured model state (parameters, gradients, optimizer) against the job's prediction
 and the planner's (whose differences the job states in words, ``memory_planned["note"]``).
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle.check import disagreements
-from oracle.matrix import compose, known_defects, label, pairwise
+from oracle.matrix import PINNED, compose, known_defects, label, pairwise
 
 from labkit import jobs
 from labkit.cluster import RankError
@@ -24,6 +26,7 @@ from labkit.cluster import RankError
 pytestmark = pytest.mark.distributed
 
 CASES = pairwise(max_ranks=4)
+CASES += [c for c in map(compose, PINNED) if c not in CASES]
 
 
 def _param(cfg):
@@ -42,7 +45,7 @@ def _param(cfg):
 def test_matrix_covers_every_value():
     """Each value of each factor is in some case (the all-pairs set holds every pair a
     valid config can, so every single value too)."""
-    assert 25 <= len(CASES) <= 45
+    assert 25 <= len(CASES) <= 55
     seen = {(p.dp, p.tp, p.cp, p.pp, p.ep) for p in (c.parallel for c in CASES)}
     assert any(s[0] == 4 for s in seen) and all(any(s[i] == 2 for s in seen) for i in range(1, 5))
     got = {(c.zero_stage, c.precision, c.checkpoint, c.impl) for c in CASES}
@@ -50,7 +53,10 @@ def test_matrix_covers_every_value():
                                 ["none", "full", "every", "selective"], ["labkit", "torch"])):
         assert {g[i] for g in got} == set(values)
     assert {c.schedule for c in CASES if c.parallel.pp > 1} == \
-        {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
+        {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"}
+    vit = [c for c in CASES if c.model_config.kind == "vit"]
+    assert {c.model_config.pool for c in vit} == {"cls", "mean"}
+    assert any(c.parallel.tp > 1 for c in vit) and any(c.parallel.cp > 1 for c in vit)
     assert {c.cp_method for c in CASES if c.parallel.cp > 1} == {"ring", "ulysses", "allgather"}
 
 

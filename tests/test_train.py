@@ -132,6 +132,11 @@ TP = {  # tensor (and sequence) parallelism through the one job
     "tp2-gqa-replicated-kv": dict(tp=2, model=ModelConfig(n_heads=4, n_kv_heads=1)),
     "tp2-untied-sp-accum": dict(tp=2, sequence_parallel=True, micro_batch=4, model=UNTIED),
     "tp2-checkpoint": dict(tp=2, checkpoint="full"),
+    # a segment of 2 blocks repeats its first block's MLP output collective too (once
+    # predicted as if each block were its own segment: one reduce-scatter short with SP)
+    "tp2-checkpoint-every2": dict(tp=2, checkpoint="every", checkpoint_every=2),
+    "tp2-sp-checkpoint-every2": dict(tp=2, sequence_parallel=True, checkpoint="every",
+                                     checkpoint_every=2),
 }
 TP4 = {"tp2xdp2": dict(tp=2, dp=2), "tp2xzero3": dict(tp=2, dp=2, zero_stage=3),
        "tp2xpp2": dict(tp=2, pp=2), "tp2-sp-xpp2": dict(tp=2, pp=2, sequence_parallel=True),

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from oracle.vit import vit_reference_run
+from oracle.vit import vit_reference_flops, vit_reference_run
 
 from labkit import jobs
 from labkit.config import RunConfig, preset
@@ -147,6 +147,53 @@ def test_vit_bytes_equal_the_prediction_on_every_rank(cluster4):
 def test_vit_layouts_refused_before_launch(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         BASE.replace(**kw).validate()
+
+
+@pytest.mark.parametrize("policy", ["full", "every", "selective"])
+def test_checkpointed_vit_hardware_flops_count_the_recompute(policy):
+    """The job counts a ViT step's FLOPs with its checkpoint policy applied, as it trains
+    it: hardware FLOPs exceed model FLOPs by exactly the recomputed forward the oracle
+    counts (they once came out equal: the ViT's count skipped the policy, so HFU left the
+    recomputation out)."""
+    import torch
+
+    from labkit.train.flops import _count
+
+    cfg = BASE.replace(checkpoint=policy, checkpoint_every=2 if policy == "every" else 1)
+    assert cfg.micro == cfg.global_batch  # one microbatch: the oracle's whole batch
+    want = vit_reference_flops(cfg)
+    model = _count(cfg, (0,), "none", torch.device("cpu"))
+    hardware = _count(cfg, (0,), policy, torch.device("cpu"))
+    assert (model, hardware - model) == (want["model"], want["recompute"])
+    assert want["recompute"] > 0
+
+
+def test_class_token_gradient_holds_only_itself():
+    """One image per microbatch: the class token's gradient is a tensor of its own, not a
+    view of the (1, P+1, H) gradient of the token sequence (which AccumulateGrad would
+    keep as ``.grad``, holding P+1 times the token's bytes as model state)."""
+    import torch
+
+    from labkit.models import build_model
+
+    model = build_model(preset("vit-digits"), seed=0)
+    model(torch.randn(1, 1, 8, 8), torch.tensor([3])).backward()
+    g = model.cls_token.grad
+    assert g.untyped_storage().nbytes() == g.numel() * g.element_size()
+
+
+def test_fsdp2_vit_measures_its_root_parameters_as_parameters(cluster4):
+    """Under PyTorch's FSDP2 (impl='torch', ZeRO 3) each rank's measured model state equals
+    the job's prediction, category by category. The class token and the position table are
+    the root's own parameters, all-gathered by the root's own hook into padded buffers
+    (dim 0 is 1: 4 rows over 4 ranks); they were once measured as activations, the
+    parameters short by their 4 × (64 + 17·64) · 4 bytes."""
+    cfg = BASE.replace(dp=4, zero_stage=3, impl="torch", model=preset("vit-digits"), steps=1,
+                       measure_memory=True, return_state=False, return_grads=False)
+    for m in cluster4.run(jobs.train, cfg).metrics:
+        got, want = m["memory"]["model_state"], m["memory_predicted"]
+        assert {c: got[c] for c in ("parameters", "gradients", "optimizer")} == \
+            {c: want[c] for c in ("parameters", "gradients", "optimizer")}, m["rank"]
 
 
 def test_video_tokens_match_the_lecture():

@@ -167,3 +167,16 @@ def test_fsdp2_model_state_predicted_with_its_padding(cluster4):
         assert "FSDP2 keeps the root module's" in m["memory_planned"]["note"]
     # the last rank owns fewer rows of the 30-row tensors (8, 8, 8, 6): less Adam state
     assert len(sizes) == 2
+
+
+def test_torch_zero3_on_one_data_rank_holds_each_parameter_once(cluster4):
+    """``impl="torch"`` with ZeRO 3 on one data rank runs no data parallelism (no
+    ``fully_shard``: nothing to shard), so the prediction holds every parameter once, as
+    measured — it once added the root's parameters a second time, as if FSDP2 had
+    gathered them (65,664 B too many for the matrix's one-rank top-2 model)."""
+    cfg = RUN.replace(dp=1, zero_stage=3, impl="torch", measure_memory=True, global_batch=4)
+    m = cluster4.run(jobs.train, cfg).metrics[0]
+    got, pred = m["memory"]["model_state"], m["memory_predicted"]
+    assert {c: got[c] for c in pred if c != "total"} == \
+        {c: pred[c] for c in pred if c != "total"}
+    assert got["parameters"] == 4 * m["n_params"]

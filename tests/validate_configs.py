@@ -7,22 +7,25 @@ divide) so that both sides of the property are reached; a few fields are then pe
 random, so refusals are exercised too."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
-from labkit.config import ModelConfig, RunConfig
+from labkit.config import ModelConfig, RunConfig, preset
 
 #: small shapes: a 4-layer GQA model (pipelines with 2 stages per rank), top-1 MoE with
-#: capacity, the presets tiny / tiny-moe and the ViT
+#: capacity, the presets tiny / tiny-moe and the ViT, with its class token and mean-pooled
+#: (no class token: the only ViT that context or sequence parallelism may split)
 MODELS = (
     "tiny",
     "tiny-moe",
     "vit-digits",
-    ModelConfig(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16,
-                tie_embeddings=False, name="gqa4"),
+    dataclasses.replace(preset("vit-digits"), pool="mean", name="vit-digits-mean"),
+    GQA4 := ModelConfig(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, seq_len=16,
+                        tie_embeddings=False, name="gqa4"),
     ModelConfig(n_layers=2, d_model=32, n_heads=4, seq_len=16, n_experts=4, top_k=1,
                 capacity_factor=1.0, name="moe-top1"),
 )
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 POLICIES = ("none", "full", "every", "selective")
 FIXED = dict(steps=1, measure_memory=False, count_flops=False, timeout_s=60)
 
@@ -46,7 +49,7 @@ def draw(rng: random.Random, max_world: int = 4) -> RunConfig:
     """One config for at most ``max_world`` ranks."""
     ws = rng.randint(1, max_world)
     model = rng.choice(MODELS)
-    vit = model == "vit-digits"
+    vit = (preset(model) if isinstance(model, str) else model).kind == "vit"
     dp, tp, pp, cp = [ws, 1, 1, 1] if vit and rng.random() < 0.8 else _factor(rng, ws, 4)
     kw: dict = dict(model=model, parallel=dict(dp=dp, tp=tp, pp=pp, cp=cp),
                     dataset="digits" if vit else "text")
@@ -77,6 +80,13 @@ def draw(rng: random.Random, max_world: int = 4) -> RunConfig:
             kw["microbatches"] = rng.choice((1, 2, 4))
         if kw["schedule"] == "interleaved" and rng.random() < 0.5:
             kw["virtual_stages"] = 2
+        if kw["schedule"] == "dualpipe-v" and not vit and rng.random() < 0.7:
+            # DualPipeV runs 2 stages per rank on M >= 2P microbatches, without ZeRO: mostly
+            # draw the 4-layer model, enough rows and no sharding (the perturbations below
+            # still reach the refusals)
+            kw.update(model=GQA4, global_batch=dp * 2 * pp, microbatches=2 * pp, zero_stage=0)
+            for k in ("micro_batch", "hsdp_replicas", "prefetch", "keep_last"):
+                kw.pop(k, None)
     kw["checkpoint"] = rng.choice(POLICIES + ("none", "none"))
     if kw["checkpoint"] == "every":
         kw["checkpoint_every"] = rng.choice((1, 2))

@@ -339,12 +339,12 @@ MUTANTS = [
            '    out["optimizer"] += 4 * sum(len(g["params"]) for g in setup.opt.param_groups)',
            '    out["optimizer"] += 0',
            "the predicted optimizer state leaves out AdamW's step counters",
-           ("tests/test_matrix.py -k z1-dense-untied",)),
+           ("tests/test_matrix.py -k z1-sp-dense-gqa-acc2",)),
     Mutant("state_fsdp2_root_sharded", "labkit/train/metrics.py",
            "        out[\"parameters\"] += sum(fsdp2_shard_elements(p)[0] * _shards(p) for p in root) \\",
            "        out[\"parameters\"] += 0 * sum(fsdp2_shard_elements(p)[0] for p in root) \\",
            "FSDP2's unsharded root parameters are predicted sharded (the replicated/sharded mixup)",
-           ("tests/test_matrix.py -k z3-top2cap-gqa-torch",)),
+           ("tests/test_matrix.py -k z3-hsdp2-top1cap-untied-torch",)),
     Mutant("state_total_counts_replicas", "tests/test_matrix.py",
            "            if sharded[c] or first:",
            "            if True:",
@@ -497,6 +497,41 @@ MUTANTS = [
            "a FSDP2 chunk's global offset taken as rank × its own rows (right only for even "
            "chunks; FSDP2's last ranks hold fewer rows, or none)",
            ("tests/test_snapshot.py::test_snapshot_holds_the_reference_state",)),
+    # ------------------------------------------------------------------ the matrix's ViT and DualPipeV
+    Mutant("vit_flops_policy_skipped", "labkit/train/flops.py",
+           "    stages = [model] if mc.kind == \"vit\" else \\\n",
+           "    stages = [] if mc.kind == \"vit\" else \\\n",
+           "a checkpointed ViT's hardware FLOPs leave out the recomputed forward",
+           (f"{VIT} -k checkpointed", "tests/test_matrix.py -k vit and ckpt-full")),
+    Mutant("memory_own_params_untagged", "labkit/measure/memory.py",
+           "                self._update_and_maybe_create_winfos(prm, _MemRefType.PARAM)",
+           "                pass",
+           "FSDP2's unsharded root-held parameters (ViT class token, positions) measured as "
+           "activations",
+           (f"{VIT} -k fsdp2",)),
+    Mutant("vit_cls_grad_view", "labkit/models/vit.py",
+           "            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1) * 1.0, x), dim=1)",
+           "            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)",
+           "one image per microbatch: the class token's .grad is a view keeping the whole "
+           "sequence's gradient alive",
+           (f"{VIT} -k class_token",)),
+    Mutant("tp_ckpt_segment_as_blocks", "labkit/train/comm_predict.py",
+           "        outputs = layers if mc.n_experts else 2 * layers - segments",
+           "        outputs = layers",
+           "tp bytes of a checkpoint segment of several blocks predicted as one segment per "
+           "block (the earlier blocks' MLP output collectives are repeated too)",
+           ("tests/test_train.py -k every2",)),
+    Mutant("state_fsdp2_root_without_fsdp", "labkit/train/metrics.py",
+           '                if not n.startswith("layers.") and getattr(p, "placements", None) is not None]',
+           '                if not n.startswith("layers.")]',
+           "impl='torch' ZeRO 3 on one data rank (no fully_shard) predicts the root's "
+           "parameters twice",
+           ("tests/test_zero.py -k one_data_rank", "tests/test_matrix.py -k dp1 and z3 and torch")),
+    Mutant("vit_sp_final_norm_plain", "labkit/parallel/vision.py",
+           '        model.norm = ParallelRMSNorm(model.norm, tp_group, **kw, tags={"site": "norm_grad"})',
+           "        pass",
+           "with sequence parallelism the ViT's final norm weight gradient is not summed over tp",
+           ("tests/test_matrix.py -k vit and sp",)),
 ]
 
 

@@ -180,6 +180,17 @@ def _make_tracker():
         def _pre_step(self, optimizer, args, kwargs) -> None:
             self._opt_new = []
 
+        def track_own_params(self, module: nn.Module, inputs: Any) -> None:
+            """Tag as parameters the storages of ``module``'s own parameters, as MemTracker
+            does in its pre-forward hook — which runs before the module's own hooks, so a
+            parameter that the module's own pre-forward hook swaps in kept the tag of the
+            buffer it lives in: FSDP2 all-gathers the parameters a root holds directly (a
+            ViT's class token and position table) into storage written during forward, which
+            was counted as activations (9,216 bytes a rank for the matrix's ViT on 4 ranks,
+            parameters under-reported by as much). Installed last on every module."""
+            for prm in module.parameters(recurse=False):
+                self._update_and_maybe_create_winfos(prm, _MemRefType.PARAM)
+
         def tag_gradients(self, model: nn.Module) -> None:
             """Tag as gradients the tracked storages of ``model``'s ``.grad`` tensors.
 
@@ -313,6 +324,7 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
     gc.collect(1)
     was_enabled = gc.isenabled()
     gc.disable()
+    own = [m.register_forward_pre_hook(mt.track_own_params) for m in model.modules()]
     try:
         with mt, comm_release.settling(), warnings.catch_warnings():
             # MemTracker asks for the storages of every gradient a module's backward hook
@@ -326,6 +338,8 @@ def measure_memory(step_fn: Callable[..., Any], model: nn.Module,
                 step_fn()
             mark("end")
     finally:
+        for h in own:
+            h.remove()
         if was_enabled:
             gc.enable()
     if dev.type == "cuda":

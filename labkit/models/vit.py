@@ -104,7 +104,11 @@ class ViT(nn.Module):
         # layout, and every matmul would then save its own contiguous copy of its input
         x = self.patch_emb(images).flatten(2).transpose(1, 2).contiguous()   # (B, P, H)
         if self.cls_token is not None:
-            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+            # × 1.0 gives the class token a gradient of its own: cat's backward hands each
+            # input a view of the (B, P+1, H) gradient, and with one image the expand is a
+            # no-op, so the token's .grad would be that view and keep the whole gradient
+            # (P+1 times its size) alive as model state
+            x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1) * 1.0, x), dim=1)
         x = x + self.pos_emb
         if self.shard_tokens is not None:
             x = self.shard_tokens(x)                                 # (B, S_local, H)

@@ -190,13 +190,20 @@ def _tp_blocks(setup, s: int) -> dict:
         add("all_reduce", layers * (fwd + bwd))
     if cfg.checkpoint != "none":
         # torch's non-reentrant checkpoint stops recomputing once the last activation the
-        # block's backward saved is back: the MLP's output collective is not repeated,
-        # the attention's output and (SP) the two input all-gathers are
+        # segment's backward saved is back: the output collective of the segment's last
+        # MLP is not repeated; every other region's output (a segment of checkpoint_every
+        # blocks repeats its earlier blocks' MLP outputs too) and (SP) every input
+        # all-gather are. An MoE block's MLP has no tp collective
+        segments = layers
+        if cfg.checkpoint == "every":
+            segments = sum(-(-len(m.layers) // cfg.checkpoint_every)
+                           for m in setup.stages.values())
+        outputs = layers if mc.n_experts else 2 * layers - segments
         if sp:
             add("all_gather", layers * 2 * u_res)
-            add("reduce_scatter", layers * u_act)
+            add("reduce_scatter", outputs * u_act)
         else:
-            add("all_reduce", layers * 2 * u_act)
+            add("all_reduce", outputs * 2 * u_act)
     add("all_reduce", layers * block_weight_grad_bytes(h, mc.kv_heads * mc.head_dim, t,
                                                        mc.kv_heads, sequence_parallel=sp,
                                                        bytes_per_elem=wgt))

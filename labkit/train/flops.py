@@ -129,14 +129,17 @@ def _count(cfg, stage_ids: tuple, policy: str, device) -> int:
     model = build_model(mc, device=device, seed=cfg.seed)
     x, y = make_batch(cfg.replace(global_batch=cfg.micro, parallel=type(cfg.parallel)()), 0)
     x, y = x.to(device), y.to(device)
-    if mc.kind == "vit":
-        return count_flops(lambda: model(x, y).backward()).total
-    stages = [StageModule(model, s, cfg.n_stages) for s in stage_ids]
+    # the ViT is one stage (no pipeline): its blocks are checkpointed like a stage's, or its
+    # hardware FLOPs would leave out the recomputation the job runs (labkit.train.build)
+    stages = [model] if mc.kind == "vit" else \
+        [StageModule(model, s, cfg.n_stages) for s in stage_ids]
     if policy != "none":
         from ..parallel.checkpoint.policy import apply_checkpoint_policy
 
         for m in stages:
             apply_checkpoint_policy(m, policy, cfg.checkpoint_every)
+    if mc.kind == "vit":
+        return count_flops(lambda: model(x, y).backward()).total
 
     def fwd_bwd():
         for m in stages:

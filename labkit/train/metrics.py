@@ -137,8 +137,10 @@ def predicted_memory(setup) -> dict:
         # their own: embedding, final norm, head) unsharded from forward to backward (the
         # root's reshard_after_forward is False: backward would gather them again at once),
         # so at its largest this rank holds their whole padded size too
+        # (only where fully_shard ran: its parameters are DTensors; one data rank runs no
+        # data parallelism at all, and nothing is held twice)
         root = [p for m in setup.stages.values() for n, p in m.named_parameters()
-                if not n.startswith("layers.")]
+                if not n.startswith("layers.") and getattr(p, "placements", None) is not None]
         out["parameters"] += sum(fsdp2_shard_elements(p)[0] * _shards(p) for p in root) \
             * one["parameters"]
     if setup.sharded:

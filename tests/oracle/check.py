@@ -26,6 +26,7 @@ import re
 import torch
 
 from .run import reference_flops, reference_run
+from .vit import vit_reference_flops, vit_reference_run
 
 __all__ = ["disagreements", "oracle_for", "TOL", "BF16_FLOOR"]
 
@@ -36,14 +37,16 @@ _CACHE: dict = {}
 
 def oracle_for(cfg, bf16: bool = False, bf16_weights: bool = False) -> dict:
     """:func:`reference_run` of ``cfg`` (``bf16``: under autocast; ``bf16_weights``: with
-    bf16-rounded weights too), cached on what it depends on."""
+    bf16-rounded weights too), cached on what it depends on; for a ViT
+    (``kind="vit"``), :func:`oracle.vit.vit_reference_run` alike."""
     mc = cfg.model_config
     key = (mc, cfg.global_batch, cfg.steps, cfg.seed, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     if mc.n_experts:  # the token groups
         key += (cfg.parallel.dp, cfg.micro, cfg.parallel.cp, cfg.parallel.cp > 1 and cfg.cp_zigzag)
     key += (bf16, bf16_weights)
     if key not in _CACHE:
-        _CACHE[key] = reference_run(cfg, bf16=bf16, bf16_weights=bf16_weights)
+        run = vit_reference_run if mc.kind == "vit" else reference_run
+        _CACHE[key] = run(cfg, bf16=bf16, bf16_weights=bf16_weights)
     return _CACHE[key]
 
 
@@ -148,7 +151,8 @@ def _flops(result, cfg) -> list:
         got[0] += m["flops_per_step"]
         got[1] += m["hardware_flops_per_step"]
     for d, (model, hw) in sorted(per.items()):
-        want = reference_flops(cfg, d)
+        want = (vit_reference_flops if cfg.model_config.kind == "vit" else reference_flops)(
+            cfg, d)
         if model != want["model"]:
             bad.append(f"replica {d} flops_per_step Σ {model:.0f} vs {want['model']} "
                        f"(×{model / want['model']:.3f})")
