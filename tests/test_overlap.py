@@ -103,7 +103,9 @@ def test_zero3_with_context_parallel_allgather_overlap_is_the_zero_gathers_alone
         want, _, axes = _expected(r.trace.events, rank, step)
         assert axes == {"dp"}, axes
         lifted, _, _ = _expected(r.trace.events, rank, step, also=tuple(kv))
-        assert lifted["forward"] > want["forward"], (rank, lifted, want)
+        # letting them in can only lift the figure (strictly, whenever a ZeRO gather
+        # blocked and did not block for longer than the gathers ran: the clock decides)
+        assert lifted["forward"] >= want["forward"], (rank, lifted, want)
         got = m["overlap"]
         for key in ("forward", "backward", "total"):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), \
