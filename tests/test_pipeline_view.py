@@ -406,3 +406,73 @@ def test_a_v_given_beside_a_fixed_v_schedule_waits_for_interleaved():
     assert v.fig.layout.title.text == "interleaved: P=4, M=8, V=2"
     with pytest.raises(ValueError, match=r"virtual_stages=3: the V slider offers \(2, 4\)"):
         v.set(virtual_stages=3)
+
+
+def _fake_run_view(schedule="dualpipe-v", pp=2, m=4):
+    """A view on a made-up two-step run (simulated spans as the trace): a real table."""
+    from types import SimpleNamespace
+
+    from labkit.config import RunConfig
+    from labkit.parallel.pipeline.presets import PP_TINY
+    from labkit.trace import Event, Trace
+    from labkit_widgets.pipeline_view import PipelineView
+
+    cfg = RunConfig(model=PP_TINY, parallel=dict(pp=pp), schedule=schedule, microbatches=m,
+                    global_batch=m, steps=3)
+    cfg.validate(pp)
+    sim = simulate(cfg.build_schedule(), {"F": 1e-3, "B": 1e-3, "W": 1e-3}, comm=1e-4)
+    ev = [Event(sp.rank, sp.action.kind, "compute", sp.start + st, sp.end + st, st,
+                args=dict(stage=sp.action.stage, microbatch=sp.action.microbatch, flush=0))
+          for st in (1, 2) for sp in sim.spans]
+    metrics = [{"p2p_latency_s": 1e-4, "peak_activation_bytes": 1, "peak_inflight": 1}] * pp
+    return PipelineView(None, result=SimpleNamespace(config=cfg, trace=Trace(ev),
+                                                     metrics=metrics))
+
+
+def test_a_refusal_keeps_the_table_of_the_figure_shown():
+    """A refused M runs nothing and the figure stays: its table stays too, under the red
+    line, the same table as before the refusal (not the refusal alone)."""
+    v = _fake_run_view()
+    table = v.status.value
+    assert "idle per rank, ms" in table and "labkit-status-error" not in table
+    title = v.fig.layout.title.text
+    sent = _from_the_browser(v.controls["microbatches"], 2)
+    assert sent and v.controls["microbatches"].value == 4
+    status = v.status.value
+    assert "labkit-status-error" in status and "M=2 refused" in status
+    assert status.index("M=2 refused") < status.index(table)  # the line, then the table
+    assert v.fig.layout.title.text == title and v.table == table
+
+
+def test_every_bar_and_its_label_stay_inside_the_plot_area():
+    """A bar's label is drawn inside the bar, unclipped (cliponaxis off: a label a browser
+    draws a little wider than plotly measured keeps its letters), so every bar must lie
+    inside its panel's x range: shared axis or own axes, whole flush or mid-play; the BW
+    bars' dots are fainter than their legend key's, under a label."""
+    from labkit_widgets.pipeline_view import FRAMES, KINDS, N_DATA
+
+    v = _fake_run_view("dualpipe-v", 4, 8)
+    assert all(t.cliponaxis is False for t in v.fig.data[:N_DATA])
+    per_panel = 1 + len(KINDS)
+    meas = list(v.spans)
+    for stretch in (1.0, 15.0):  # shared axis; a run far longer than its simulation
+        v.spans = [type(sp)(sp.rank, sp.action, sp.start * stretch, sp.end * stretch)
+                   for sp in meas]
+        for frame in (FRAMES, FRAMES // 3):
+            v.time.value = frame
+            v._draw()
+            lay = v.fig.layout
+            for panel, axis in enumerate((lay.xaxis, lay.xaxis2)):
+                lo, hi = axis.range
+                bars = [(b, b + x) for t in v.fig.data[panel * per_panel:(panel + 1) * per_panel]
+                        for b, x in zip(t.base, t.x)]
+                assert bars, (stretch, frame, panel)
+                assert all(lo - 1e-9 <= a and b <= hi + 1e-9 for a, b in bars), \
+                    (stretch, frame, panel, (lo, hi), max(b for _, b in bars))
+    bw = [t for t in v.fig.data if t.name == "BW"]
+    key = [t for t in v.fig.data if t.name == "BW full backward"]
+    assert len(bw) == 2 and len(key) == 1
+    assert all(t.marker.pattern.shape == key[0].marker.pattern.shape == "." for t in bw)
+    assert all(t.marker.pattern.fgopacity < 0.5 and t.marker.pattern.solidity < 0.3
+               for t in bw)  # plotly's defaults, which the key keeps
+    assert key[0].marker.pattern.fgopacity is None and key[0].marker.pattern.solidity is None

@@ -188,17 +188,30 @@ def status_table(report: BubbleReport, metrics: Optional[list] = None) -> str:
 SHARED_AXIS_RATIO = 0.5
 
 
+#: the pattern of each kind's data bars, where it differs from the legend key's: the
+#: default dots (solidity 0.3, half-opaque white) sit under a ``BW`` bar's label and break
+#: its letters up, so the bars get smaller, fainter dots; the 12 px legend key keeps the
+#: default dots, which sparser ones would leave looking like a plain ``F`` swatch
+BAR_PATTERN = {"BW": dict(solidity=0.12, fgopacity=0.3)}
+
+
 def _base_figure() -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=("measured (trace)", "simulated on this machine"))
     for row in (1, 2):
         for kind in ("idle",) + KINDS:
+            # cliponaxis off: a label is drawn inside its bar and every bar lies inside the
+            # axis range (the view sets the range to the panel's last end), so nothing needs
+            # clipping; with clipping on, a label a browser renders a few pixels wider than
+            # plotly measured it ("idle 16.98 ms" on a bar ending at the right edge) lost
+            # its letters at the plot area's edge
             fig.add_trace(go.Bar(
                 name=kind, orientation="h", x=[], y=[], base=[], text=[], showlegend=False,
                 textposition="inside", insidetextanchor="middle", textangle=0,
-                hovertemplate="%{text}<extra></extra>",
-                marker=dict(color=IDLE if kind == "idle" else "#999",
-                            pattern_shape=PATTERNS.get(kind, ""), line_width=0)),
+                cliponaxis=False, hovertemplate="%{text}<extra></extra>",
+                marker=dict(color=IDLE if kind == "idle" else "#999", line_width=0,
+                            pattern=dict(shape=PATTERNS.get(kind, ""),
+                                         **BAR_PATTERN.get(kind, {})))),
                 row=row, col=1)
     for kind in ("idle",) + KINDS:  # legend keys only: the kinds, by pattern
         fig.add_trace(go.Bar(name=KIND_NAMES[kind], orientation="h", x=[None], y=[None],

@@ -21,7 +21,7 @@ across the run, showing each span once it has started. ``.figure()`` is a static
 A refused choice (M below 2P for ``dualpipe-v``, more stages than layers) runs nothing: the
 controls go back to the values the figure shows, and the red status line names the refused
 value beside the one kept, so the controls and the line never disagree
-(:mod:`labkit_widgets.pipeline_controls`).
+(:mod:`labkit_widgets.pipeline_controls`); the figure's table stays below that line.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
     Attributes:
         controls: ``schedule``/``pp``/``microbatches``/``virtual_stages`` widgets; ``play``
             and ``time`` (0 … 40, fraction of the makespan) linked; ``status``; ``fig``;
-            ``report`` (the :class:`~labkit.parallel.pipeline.bubble.BubbleReport`).
+            ``report`` (the :class:`~labkit.parallel.pipeline.bubble.BubbleReport`);
+            ``table``: the status HTML of the figure shown (kept under a refusal's line).
     """
 
     def __init__(self, cluster=None, schedule: str = "1f1b", pp: int = 4,
@@ -77,6 +78,7 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
         self.base = config or RunConfig(model=PP_TINY, steps=5, count_flops=False)
         self._quiet, self.spans, self.sim_spans, self._scale = False, [], [], 1e3
         self.drawn: Optional[tuple] = None  # (step, flush, flushes) of the measured panel
+        self.table = ""  # the status of the figure shown: a refusal keeps it below its line
         self._v_chosen = virtual_stages  # the V slider's value while a schedule fixes V
         max_p = cluster.world_size if cluster is not None else 8
         # a slider wide enough to drag (the row wraps on a narrow cell instead of
@@ -132,12 +134,13 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
         try:
             cfg.validate(self.cluster.world_size if self.cluster is not None else None)
         except ValueError as exc:  # a refused value: the controls go back to what is shown
-            self.status.value = S.status_html(self._refusal(exc), "error")
+            # the figure stays, so its table stays too, under the red line
+            self.status.value = S.status_html(self._refusal(exc), "error") + self.table
             return self
         if self.cluster is None:
             sim = simulate(cfg.build_schedule())
             self.spans, self.sim_spans, self.report, self.drawn = [], sim.spans, None, None
-            self.status.value = S.status_html(
+            self.status.value = self.table = S.status_html(
                 f"simulated only (no cluster), unit costs: {sim.summary()}", "info")
             self._scale, self.shown = 1.0, cfg  # unit costs: the axis is in cost units
             self._draw()
@@ -158,7 +161,7 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
         self.drawn = pick_flush(trace)
         self.spans = measured_spans(trace, *self.drawn[:2]) if self.drawn else []
         self.sim_spans = rep.predicted.spans
-        self.status.value = status_table(
+        self.status.value = self.table = status_table(
             rep, [result.metrics[g] for g in cfg.mesh.group(0, "pp")])
         self._scale, self.shown = 1e3, cfg  # seconds → ms
         ran = {"schedule": cfg.schedule, "pp": cfg.parallel.pp,
