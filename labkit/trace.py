@@ -17,6 +17,9 @@ processes of one machine share, so events of a local cluster line up without cor
 Under ``torchrun`` across nodes each rank passes an offset measured at a barrier (see
 :func:`labkit.worker.clock_offset`). On CUDA a region synchronizes the device at both ends,
 so its span covers the kernels it launched, not just their launch.
+
+:class:`Event` and its packing live in :mod:`labkit.trace_event`, :class:`Trace` in
+:mod:`labkit.trace_merged`; both are importable from here.
 """
 from __future__ import annotations
 
@@ -25,66 +28,16 @@ import dataclasses
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
+
+# Event and its packing, and the merged Trace, live in their own modules; every name stays
+# importable from here
+from labkit.trace_event import (COMM, COMPUTE, MARK, P2P, Event,  # noqa: F401
+                                pack_events, unpack_events)
+from labkit.trace_merged import Trace  # noqa: F401
 
 __all__ = ["Event", "Tracer", "Trace", "current_tracer", "use_tracer", "region", "flag_step",
            "pack_events", "unpack_events"]
-
-COMPUTE, COMM, P2P = "compute", "comm", "p2p"
-#: zero-length annotations (e.g. "this step is instrumented"), not spans of work
-MARK = "mark"
-
-
-@dataclass
-class Event:
-    """One span on one rank.
-
-    Attributes:
-        rank: the global rank that recorded it.
-        name: what ran, e.g. ``"forward"``, ``"layers.1.backward"``, ``"all_reduce"``.
-        cat: ``"compute"``, ``"comm"`` (collective), ``"p2p"`` (send/recv) or ``"mark"``
-            (a zero-length annotation, see :func:`flag_step`).
-        start, end: seconds on the shared clock.
-        step: training step the event belongs to (-1 outside a step).
-        op: collective or point-to-point op (``"all_reduce"``, ``"send"`` …).
-        bytes_sent, bytes_recv: algorithmic bytes this rank moved (ring formulas; see
-            :mod:`labkit.comm` for why these are not gloo's wire bytes).
-        axis: mesh axis of the group (``"dp"``, ``"tp"`` …) or ``None``.
-        peers: global ranks of the group (collectives) or the other end (p2p).
-        args: anything else worth showing (bucket id, dtype, numel, async …).
-    """
-
-    rank: int
-    name: str
-    cat: str
-    start: float
-    end: float
-    step: int = -1
-    op: Optional[str] = None
-    bytes_sent: float = 0.0
-    bytes_recv: float = 0.0
-    axis: Optional[str] = None
-    peers: tuple = ()
-    args: dict = field(default_factory=dict)
-
-    @property
-    def duration(self) -> float:
-        """Seconds."""
-        return self.end - self.start
-
-
-def pack_events(events: Iterable[Event]) -> list:
-    """``events`` as plain tuples in :class:`Event`'s field order, for sending between
-    processes: pickling tuples costs about half of pickling the dataclasses (a warm rank
-    sends a few hundred events after every job)."""
-    return [(e.rank, e.name, e.cat, e.start, e.end, e.step, e.op, e.bytes_sent, e.bytes_recv,
-             e.axis, e.peers, e.args) for e in events]
-
-
-def unpack_events(rows: Iterable[tuple]) -> list:
-    """The :class:`Event` objects :func:`pack_events` packed."""
-    return [Event(*row) for row in rows]
 
 
 class Tracer:
@@ -222,109 +175,3 @@ def flag_step(instrumented: str, **args) -> None:
     tracer = _current.get()
     if tracer is not None:
         tracer.flag_step(instrumented, **args)
-
-
-class Trace:
-    """The events of all ranks of one run, merged and sorted by start time.
-
-    Times are kept on the shared clock; ``t0`` is the earliest start, and exports shift to
-    it so a timeline starts at zero.
-    """
-
-    def __init__(self, events: Iterable[Event] = ()):
-        self.events: list[Event] = sorted(events, key=lambda e: (e.start, e.rank))
-        self.t0 = self.events[0].start if self.events else 0.0
-
-    @classmethod
-    def merge(cls, per_rank: Iterable[Iterable[Event]]) -> "Trace":
-        return cls(e for events in per_rank for e in events)
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted({e.rank for e in self.events})
-
-    def filter(self, rank=None, cat=None, op=None, step=None, name=None) -> list[Event]:
-        """Events matching every argument that is not ``None``."""
-        return [e for e in self.events
-                if (rank is None or e.rank == rank) and (cat is None or e.cat == cat)
-                and (op is None or e.op == op) and (step is None or e.step == step)
-                and (name is None or e.name == name)]
-
-    def instrumented_steps(self) -> dict:
-        """``{step: what}`` for the steps flagged as instrumented (see :func:`flag_step`):
-        any event whose ``args`` has ``"instrumented"`` flags its step."""
-        out: dict = {}
-        for e in self.events:
-            what = (e.args or {}).get("instrumented")
-            if what and e.step >= 0:
-                out.setdefault(e.step, str(what))
-        return out
-
-    def comm_bytes(self, rank: int, op=None, step=None, direction: str = "sent") -> float:
-        """Bytes ``rank`` sent (or received) through labkit.comm, optionally per op/step."""
-        key = "bytes_sent" if direction == "sent" else "bytes_recv"
-        return sum(getattr(e, key) for e in self.events
-                   if e.rank == rank and e.cat in (COMM, P2P)
-                   and (op is None or e.op == op) and (step is None or e.step == step))
-
-    def busy_time(self, rank: int, cat: str = COMPUTE, step=None) -> float:
-        """Seconds of ``cat`` spans on ``rank``, overlaps merged (nested regions count once)."""
-        spans = sorted((e.start, e.end) for e in self.filter(rank=rank, cat=cat, step=step))
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
-
-    def overlap_fraction(self, rank: int, op: str = "all_reduce",
-                         under: tuple = ("backward",), step=None, axis=None) -> float:
-        """Fraction (0–1) of ``rank``'s ``op`` time that ran while a compute region named in
-        ``under`` was open: communication hidden behind computation. 0 when there is no
-        ``op`` time.
-
-        ``axis`` (a mesh axis name, or a tuple of names) keeps only the calls on it: in a
-        composition the same op runs on several axes (data-parallel bucket all-reduces
-        beside tensor-parallel ones), and ``None`` counts them all.
-
-        For async ops the span runs from issue to ``wait()``, so this measures how much of
-        the in-flight window the computation covered (on gloo the transfer itself runs on
-        a background thread in that window).
-        """
-        axes = (axis,) if isinstance(axis, str) else axis
-        comm = [(e.start, e.end) for e in self.filter(rank=rank, op=op, step=step)
-                if axes is None or e.axis in axes]
-        busy = [(e.start, e.end) for e in self.filter(rank=rank, cat=COMPUTE, step=step)
-                if e.name in under]
-        total = sum(e - s for s, e in comm)
-        if total <= 0:
-            return 0.0
-        hidden = sum(max(0.0, min(ce, be) - max(cs, bs)) for cs, ce in comm for bs, be in busy)
-        return min(1.0, hidden / total)
-
-    def to_dicts(self) -> list[dict]:
-        return [asdict(e) for e in self.events]
-
-    def to_chrome(self, path: Optional[str] = None) -> dict:
-        """Chrome trace-event JSON (Perfetto, chrome://tracing): one track per rank, every
-        time in µs from ``t0`` (see :func:`labkit.trace_chrome.to_chrome`).
-
-        Returns the JSON object; writes it to ``path`` when given.
-        """
-        from .trace_chrome import to_chrome
-
-        return to_chrome(self, path)
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-    def __repr__(self) -> str:
-        span = (max(e.end for e in self.events) - self.t0) if self.events else 0.0
-        # the timeline draws the spans; a Chrome trace adds a name entry per track
-        marks = sum(e.cat == MARK for e in self.events)
-        return (f"Trace({len(self.events)} events: {len(self.events) - marks} spans + {marks} "
-                f"marks, ranks={self.ranks}, span={span:.3f} s)")
-

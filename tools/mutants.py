@@ -503,7 +503,7 @@ MUTANTS = [
            "    stages = [] if mc.kind == \"vit\" else \\\n",
            "a checkpointed ViT's hardware FLOPs leave out the recomputed forward",
            (f"{VIT} -k checkpointed", "tests/test_matrix.py -k vit and ckpt-full")),
-    Mutant("memory_own_params_untagged", "labkit/measure/memory.py",
+    Mutant("memory_own_params_untagged", "labkit/measure/memory_tracker.py",
            "                self._update_and_maybe_create_winfos(prm, _MemRefType.PARAM)",
            "                pass",
            "FSDP2's unsharded root-held parameters (ViT class token, positions) measured as "

@@ -7,7 +7,8 @@
   or the machine quieter);
   :mod:`labkit.measure.rank_peak` — the peak one rank of a running job divides by.
 * :mod:`labkit.measure.mfu` — the lecture's five-step MFU and its rating.
-* :mod:`labkit.measure.memory` — bytes by category for one step (torch's ``MemTracker``).
+* :mod:`labkit.measure.memory` — bytes by category for one step (torch's ``MemTracker``;
+  :mod:`labkit.measure.memory_tracker` holds the tracker).
 * :mod:`labkit.measure.layer_activations` — what each layer of the job keeps for backward,
   by part, beside Korthikanti et al.'s count (C18) and labkit's named extra terms.
 """
