@@ -165,10 +165,10 @@ def test_a_run_far_longer_than_its_simulation_gets_its_own_time_axis():
             assert lay.xaxis.matches is None and lay.xaxis.showticklabels
             assert tuple(lay.xaxis.range) == pytest.approx((0, sim_end * stretch * v._scale))
             assert tuple(lay.xaxis2.range) == pytest.approx((0, sim_end * v._scale))
-            assert "its own time axis" in lay.annotations[0].text
+            assert "(own time axis)" in lay.annotations[0].text
             assert f"one flush: {sim_end * stretch * v._scale:.1f} " \
                 in lay.annotations[0].text
-            assert "its own time axis" in lay.annotations[1].text
+            assert "(own time axis)" in lay.annotations[1].text
         else:
             assert lay.xaxis.matches == "x2" and lay.xaxis.showticklabels is False
             assert tuple(lay.xaxis.range) == tuple(lay.xaxis2.range)
@@ -265,7 +265,7 @@ def _named_flush(title: str) -> tuple:
     """``(step, flush index from 0, flushes, length ms)`` the measured panel's title names."""
     import re
 
-    m = re.search(r"the last flush measured \(step (\d+), flush (\d+) of (\d+)\): "
+    m = re.search(r"last flush \(step (\d+), flush (\d+) of (\d+)\): "
                   r"([0-9.]+) ms", title)
     assert m, title
     return int(m[1]), int(m[2]) - 1, int(m[3]), float(m[4])

@@ -51,15 +51,17 @@ def pick_flush(trace, step: Optional[int] = None,
 
 def flush_name(which: Optional[tuple]) -> str:
     """The drawn flush as the measured panel's title names it, from :func:`pick_flush`'s
-    ``(step, flush, flushes)``: ``"the last flush measured (step 3, flush 2 of 2)"``
+    ``(step, flush, flushes)``: ``"last flush (step 3, flush 2 of 2)"``
     (flushes counted from 1, steps as the trace numbers them); ``"one flush"`` when not
     known."""
     if which is None:
         return "one flush"
     step, flush, n = which
+    # short: the title also carries the flush's length and every rank's idle, and a
+    # 4-rank title must fit a notebook cell at 1280 px
     where = f"step {step}, flush {flush + 1} of {n}" if n > 1 else f"step {step}"
-    return (f"the last flush measured ({where})" if flush == n - 1 else
-            f"flush {flush + 1} of {n} of step {step}")
+    return (f"last flush ({where})" if flush == n - 1 else
+            f"flush {flush + 1} of {n}, step {step}")
 
 
 def measured_spans(trace, step: Optional[int] = None, flush: Optional[int] = None) -> list:
@@ -119,8 +121,8 @@ def gantt_data(spans: list, pp: int, until: Optional[float] = None, scale: float
 
 def drawn_flush(spans: list, pp: int, scale: float = 1e3, unit: str = "ms",
                 name: str = "one flush") -> str:
-    """What the measured panel shows, in the panel's title: ``"the last flush measured
-    (step 3): 461.2 ms, idle per rank 120.3, 95.1 ms"`` — this one flush's length and each
+    """What the measured panel shows, in the panel's title: ``"last flush (step 3):
+    461.2 ms, idle per rank 120.3, 95.1 ms"`` — this one flush's length and each
     rank's idle (its gaps up to the flush's end, as :func:`gantt_data` draws them);
     ``name`` says which flush ``spans`` are (:func:`flush_name`). The status table's
     idle and flush time are means over all measured flushes, so they differ from it."""

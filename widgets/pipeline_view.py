@@ -196,14 +196,14 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
                         marker=dict(color=c["color"]), hovertemplate=hover)
             self.fig.layout.xaxis2.title.text = unit
             sim = "simulated on this machine" if unit == "ms" else "simulated, unit costs"
-            meas = ("measured (trace), " + drawn_flush(self.spans, pp, self._scale, unit,
+            meas = ("measured, " + drawn_flush(self.spans, pp, self._scale, unit,
                                                        flush_name(self.drawn))
                     if self.spans else "measured: nothing ran (no cluster)")
             lay = self.fig.layout
             if own:
                 lengths = [f"{e * self._scale:.4g} {unit}" for e in ends]
-                meas += ", its own time axis"
-                sim += f": {lengths[1]}, its own time axis"
+                meas += " (own time axis)"
+                sim += f": {lengths[1]} (own time axis)"
                 lay.xaxis.update(matches=None, showticklabels=True,
                                  range=[0, ends[0] * self._scale])
                 lay.xaxis2.range = [0, ends[1] * self._scale]
