@@ -95,7 +95,7 @@ def fit_alpha_beta(points, base: float = 0.0, big: float = 1 << 20) -> tuple:
     return max(0.0, (a - base) / 2), 1.0 / b
 
 
-def measure_cluster_links(cluster, sizes=SWEEP, iters: int = 5) -> Links:
+def measure_cluster_links(cluster, sizes=SWEEP, iters: int = 15) -> Links:
     """:class:`Links` of ``cluster`` (≥ 2 nodes of ≥ 2 ranks, any placement): a two-rank
     all-reduce inside a node and across (:func:`~labkit.collectives.links.link_pairs`) at
     each of ``sizes`` bytes, ``iters`` calls each, and each pair's line fitted to the sweep
