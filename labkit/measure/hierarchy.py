@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..collectives.links import measure_links
 from ..plan.emulated import emulated_spec, physical_order, predict_comm
+from .link_share import covered
 from .step_model import predict_step
 
 __all__ = ["Links", "Variant", "Experiment", "EXPERIMENTS", "SWEEP", "fit_alpha_beta",
@@ -156,14 +157,7 @@ EXPERIMENTS = (
 
 def _union(events) -> float:
     """Seconds covered by the events' spans, overlaps counted once."""
-    total, cur = 0.0, None
-    for a, b in sorted((e.start, e.end) for e in events):
-        if cur is None or a > cur[1]:
-            total += (cur[1] - cur[0]) if cur else 0.0
-            cur = [a, b]
-        else:
-            cur[1] = max(cur[1], b)
-    return total + ((cur[1] - cur[0]) if cur else 0.0)
+    return covered([(e.start, e.end) for e in events])
 
 
 def warm_up(cluster, model: str = "small") -> None:

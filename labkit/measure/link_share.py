@@ -16,15 +16,16 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-__all__ = ["link_efficiency"]
+__all__ = ["link_efficiency", "covered"]
 
 
 def _members(e) -> frozenset:
     return frozenset({e.rank, *e.peers})
 
 
-def _union_within(spans, a: float, b: float) -> float:
-    """Seconds of ``[a, b]`` covered by ``spans`` (overlaps counted once)."""
+def covered(spans, a: float = float("-inf"), b: float = float("inf")) -> float:
+    """Seconds of ``[a, b]`` covered by ``spans`` (``(start, end)`` pairs; overlaps counted
+    once); the whole union by default."""
     total, cur = 0.0, None
     for s, t in sorted((max(s, a), min(t, b)) for s, t in spans if t > a and s < b):
         if cur is None or s > cur[1]:
@@ -78,7 +79,7 @@ def link_efficiency(events: Sequence, phys: Dict[int, int], per_node: int) -> Di
                     continue
                 others = [(o.start, o.end, om) for o, om in calls if om != m]
                 for om in {om for _, _, om in others}:
-                    f = _union_within([(s, t) for s, t, x in others if x == om],
+                    f = covered([(s, t) for s, t, x in others if x == om],
                                       e.start, e.end) / span
                     k += f / sum(1 for r in om if node[r] == n)
         out[key] = (per_node / g) / k
