@@ -476,3 +476,53 @@ def test_every_bar_and_its_label_stay_inside_the_plot_area():
     assert all(t.marker.pattern.fgopacity < 0.5 and t.marker.pattern.solidity < 0.3
                for t in bw)  # plotly's defaults, which the key keeps
     assert key[0].marker.pattern.fgopacity is None and key[0].marker.pattern.solidity is None
+
+
+def _axes(v) -> dict:
+    """Both panels' axes as the figure holds them (what a redraw sends to the browser)."""
+    lay = v.fig.layout
+    return {name: getattr(lay, name).to_plotly_json()
+            for name in ("xaxis", "xaxis2", "yaxis", "yaxis2")}
+
+
+def test_frame_0_keeps_every_rank_row_and_the_axes():
+    """Play's stop puts the cursor on frame 0, where no span has started yet: both panels
+    keep a row per rank (rank 0 on top) and the full frame's axes, empty, instead of an
+    axis read from no data (one centred "rank 0", the others gone)."""
+    from labkit_widgets.pipeline_view import FRAMES, KINDS, PipelineView
+
+    for v in (_fake_run_view("dualpipe-v", 4, 8), PipelineView(schedule="1f1b", pp=4)):
+        pp = v.shown.parallel.pp
+        assert v.time.value == FRAMES
+        full = _axes(v)
+        v.play.value = 0  # the play control drives the frame slider
+        assert v.time.value == 0
+        panel = v.fig.data[1 + len(KINDS):2 * (1 + len(KINDS))]  # simulated: always drawn
+        assert not any(x for t in panel for x in t.x)  # at frame 0 every bar is empty
+        assert _axes(v) == full
+        for axis in (v.fig.layout.yaxis, v.fig.layout.yaxis2):
+            assert axis.type == "category" and axis.categoryorder == "array"
+            assert list(axis.categoryarray) == [f"rank {r}" for r in range(pp)]
+            assert tuple(axis.range) == (pp - 0.5, -0.5) and axis.autorange is False
+
+
+def test_the_measured_time_axis_is_the_same_at_every_frame():
+    """The time cursor moves the bars only: at every frame the measured panel's x axis
+    (shared with the simulated panel, or its own: ticks, range, matching) and both panels'
+    rows are the full frame's."""
+    from labkit.parallel.pipeline.simulate import Span
+    from labkit_widgets.pipeline_view import FRAMES
+
+    v = _fake_run_view("dualpipe-v", 4, 8)
+    meas = list(v.spans)
+    for stretch, own in ((1.0, False), (15.0, True)):  # shared axis; own axes
+        v.spans = [Span(sp.rank, sp.action, sp.start * stretch, sp.end * stretch)
+                   for sp in meas]
+        v.time.value = FRAMES
+        v._draw()
+        full = _axes(v)
+        assert (full["xaxis"].get("matches") is None) == own
+        assert full["xaxis"]["showticklabels"] is own  # shared: the bottom panel's ticks
+        for frame in range(FRAMES + 1):
+            v.time.value = frame
+            assert _axes(v) == full, (stretch, frame)

@@ -17,7 +17,9 @@ flushes, with their spread: one reading on shared cores can move by several poin
 simulated on this machine, and with unit costs (the lecture's number), and the terms.
 
 Controls: schedule, P, M, V re-run on the warm cluster; ``Play`` sweeps a time cursor
-across the run, showing each span once it has started. ``.figure()`` is a static snapshot.
+across the run, showing each span once it has started, on the whole run's axes: every
+rank keeps its row at any frame (frame 0, where ``Stop`` puts the cursor, shows the empty
+rows). ``.figure()`` is a static snapshot.
 A refused choice (M below 2P for ``dualpipe-v``, more stages than layers) runs nothing: the
 controls go back to the values the figure shows, and the red status line names the refused
 value beside the one kept, so the controls and the line never disagree
@@ -211,6 +213,13 @@ class PipelineView(PipelineControls, StaticFigure, W.VBox):
                 lay.xaxis.update(matches="x2", showticklabels=False)
                 lay.xaxis.range = lay.xaxis2.range = [0, end * self._scale]
             lay.annotations[1].text, lay.annotations[0].text = sim, meas
+            # every rank keeps its row at any frame: the rows come from the ranks, not from
+            # the bars drawn so far (at frame 0, where Play's stop puts the cursor, no bar has
+            # started, and an axis read from the data collapsed to one centred "rank 0")
+            rows = [f"rank {r}" for r in range(pp)]
+            for axis in (lay.yaxis, lay.yaxis2):
+                axis.update(type="category", categoryorder="array", categoryarray=rows,
+                            autorange=False, range=[pp - 0.5, -0.5])  # rank 0 on top
             self.fig.layout.yaxis.visible = bool(self.spans)
             m = cfg.flush_microbatches
             self.fig.layout.title.text = self._name()
