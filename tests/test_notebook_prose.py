@@ -149,10 +149,18 @@ from labkit_widgets.prose import MARK as PROSE_MARK  # noqa: E402
 
 _RELATION = re.compile(
     r"\b(larger|smaller|bigger|halves|halved|doubles|doubled|twice|quadruples|equals?|"
-    r"matches|the same as|exactly|higher|lower|more than|fewer|less than|grows|falls|drops|"
+    r"matches|the same as|exactly|higher|lower|wider than|narrower than|more than|fewer|"
+    r"less than|grows|falls|drops|"
     r"flat|the view (?:below |above )?shows|lights? up|last step|step \d+|byte for byte|"
     r"to the byte)\b", re.I)
-_SENTENCE = re.compile(r"(?<=[.;!?])\s+|\n\s*\n")
+_PARAGRAPH = re.compile(r"\n\s*\n")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+_CLAUSE = re.compile(r"(?<=;)\s+")
+_POINTER = re.compile(r"\b(above|below|view)\b")
+#: a sentence introducing a table or figure: what the rest of its paragraph says of "that
+#: range" is read off it
+_INTRODUCES = re.compile(r"\b(table|view|figure|plot|printout)\s+(above|below)\s+shows\b",
+                         re.I)
 _CHECK_CALL = re.compile(r"""\bcheck\(\s*(["'])((?:\\.|(?!\1).)*)\1""", re.S)
 
 #: sentences the relation words flag that state no relation between values on screen:
@@ -217,9 +225,10 @@ def prose_checks(nb) -> list:
 
 def value_claims(nb) -> list:
     """``[(markdown index, sentence)]``: the sentences stating a relation about what is on
-    screen: commentary right after a code cell, or a sentence pointing at a view or an output
-    ("above", "below", "view"). The notebook's opening cell and *Predict* questions are not
-    claims."""
+    screen: commentary right after a code cell, a sentence pointing at a view or an output
+    ("above", "below", "view"), or one later in a paragraph that introduced a table ("the table
+    below shows"). A ";" clause pointing at a view is one with its sentence's relation word.
+    The notebook's opening cell and *Predict* questions are not claims."""
     found, before = [], None   # the cell before, check cells skipped
     for i, c in enumerate(nb.cells):
         if c.cell_type == "code" and c.source.startswith(PROSE_MARK):
@@ -229,11 +238,19 @@ def value_claims(nb) -> list:
             continue
         text = "\n".join(line for line in c.source.splitlines()
                          if not line.lstrip().startswith("#"))   # headings name, not claim
-        for s in _SENTENCE.split(text):
-            if "predict" in s.lower() or s.lstrip().startswith("#") or "?" in s:
-                continue
-            if _RELATION.search(s) and (after_code or re.search(r"\b(above|below|view)\b", s)):
-                found.append((i, " ".join(s.split())))
+        for paragraph in _PARAGRAPH.split(text):
+            introduced = False
+            for sentence in _SENTENCE.split(paragraph):
+                introduced = introduced or bool(_INTRODUCES.search(sentence))
+                # a claim is a clause (split at ";"), but its relation word may sit in the
+                # clause before: "(it grows as the loss falls; the run above shows it growing)"
+                for s in _CLAUSE.split(sentence):
+                    if "predict" in s.lower() or s.lstrip().startswith("#") or "?" in s:
+                        continue
+                    pointer = _POINTER.search(s)
+                    if ((after_code or introduced or pointer) and _RELATION.search(s)
+                            or pointer and _RELATION.search(sentence)):
+                        found.append((i, " ".join(s.split())))
     return found
 
 
@@ -267,6 +284,21 @@ def test_the_claim_finder_flags_what_the_reader_found():
         PROSE_MARK + '\ncheck("the `cp` traffic halves", True)\n'
         'check("the run without the auxiliary loss, at its last step", True)'))
     assert unchecked_claims(nb, "x") == []
+
+
+def test_the_claim_finder_reads_a_paragraph_and_a_sentence_whole():
+    """What a sentence introducing a table says of it later in its paragraph is a claim, and
+    a clause pointing at a view is one when its relation word sits before the ";"; the next
+    paragraph, and a relation with no pointer, are not."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"), nbformat.v4.new_markdown_cell(
+        "The scale changes (the paper finds it grows as the loss falls; the run above shows "
+        "it growing), so each run differs.\n\nThe table\nbelow shows each run's spread. In "
+        "every run that range is wider than the medians' range.\n\nThat range is wider than the "
+        "medians' range in most runs.")]
+    assert [s for _, s in value_claims(nb)] == [
+        "the run above shows it growing), so each run differs.",
+        "In every run that range is wider than the medians' range."]
 
 
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.stem)
