@@ -39,7 +39,7 @@ def to_chrome(trace, path: Optional[str] = None) -> dict:
     Returns the JSON object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``); writes it
     to ``path`` when given.
     """
-    from .trace import COMPUTE, MARK
+    from .trace_event import COMPUTE, MARK
 
     out = []
     for r in trace.ranks:
